@@ -1,0 +1,1 @@
+"""cute-flash: exact attention kernels in the CuTe Python DSL."""

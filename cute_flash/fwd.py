@@ -1,0 +1,126 @@
+"""Forward pass: variant configs and the torch-side launcher."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import cutlass
+import torch
+
+from cute_flash import jit
+
+SUPPORTED_HDIMS = (32, 64, 96, 128, 160, 192, 256)
+
+# (tile_m, tile_n, num_threads, num_stages) of the sm80 forward per head dim. Every row was
+# compiled for sm_80 and checked for zero spills (tests/test_compile_sm80.py); see docs/notes.md
+# for the measurements behind them.
+SM80_FWD_TILES: dict[int, tuple[int, int, int, int]] = {
+    32: (128, 128, 128, 2),
+    64: (128, 128, 128, 2),
+    96: (128, 64, 128, 2),
+    128: (128, 64, 128, 2),
+    160: (128, 64, 256, 2),
+    192: (128, 64, 256, 2),
+    256: (128, 64, 256, 1),
+}
+
+
+@dataclass(frozen=True)
+class FwdConfig(jit.KernelConfig):
+    """One sm80 forward variant. Sequence lengths, batch, heads and the GQA ratio are run-time
+    values; everything here is baked into the compiled code."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    hdim_v: int = 128
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    tiles: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
+
+    kernel_name = "fwd_sm80"
+
+    def __post_init__(self) -> None:
+        if self.tiles == (0, 0, 0, 0):
+            object.__setattr__(self, "tiles", SM80_FWD_TILES[max(self.hdim, self.hdim_v)])
+
+    def build(self):
+        from cute_flash.ampere.fwd import FlashFwdSm80
+
+        return FlashFwdSm80(self)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
+        if self.varlen:
+            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
+            q = jit.fake_tensor(dt, (tq, h, d), divisibility=div)
+            k = jit.fake_tensor(dt, (tk, hkv, d), divisibility=div)
+            v = jit.fake_tensor(dt, (tk, hkv, dv), divisibility=div)
+            o = jit.fake_tensor(dt, (tq, h, dv), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
+            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        else:
+            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+            q = jit.fake_tensor(dt, (b, nq, h, d), divisibility=div)
+            k = jit.fake_tensor(dt, (b, nk, hkv, d), divisibility=div)
+            v = jit.fake_tensor(dt, (b, nk, hkv, dv), divisibility=div)
+            o = jit.fake_tensor(dt, (b, nq, h, dv), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
+            cu_q = cu_k = None
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
+
+
+def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, bool, int, int]:
+    """(causal, local, left, right) as the kernel wants them: -1 means unbounded on that side;
+    a causal mask is the window (left, 0); a window unbounded on both sides is no window."""
+    left, right = (int(window_size[0]), int(window_size[1]))
+    if causal:
+        right = 0
+    left = -1 if left < 0 else left
+    right = -1 if right < 0 else right
+    local = (left >= 0 or right >= 0) and not (causal and left < 0)
+    if local:
+        causal = False
+    return causal, local, left, right
+
+
+def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
+               varlen: bool, target: str | None = None) -> FwdConfig:
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    if target is None:
+        target = jit.resolve_arch(q.device)
+    return FwdConfig(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                     local=local, softcap=softcap > 0.0, varlen=varlen)
+
+
+def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+            softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+            softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> None:
+    """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place.
+
+    q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
+    lse (B, H, Nq) | (H, Tq) float32.
+    """
+    causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen)
+    fn = jit.compile_kernel(cfg)
+    if varlen:
+        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
+            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    else:
+        mq = q.shape[1]
+    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
+       float(softcap) if softcap > 0 else 0.0, left, right, mq)
+
+
+def default_scale(hdim: int) -> float:
+    return 1.0 / math.sqrt(hdim)

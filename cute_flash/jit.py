@@ -1,0 +1,143 @@
+"""JIT layer: one frozen config object per kernel variant gives both the compile-cache key and the
+compile arguments (fake tensors), so a variant is described once and compiled once per process.
+
+Compiling never needs a GPU: the kernels are traced against fake tensors whose extents and strides
+are symbolic, and the result is launched through TVM-FFI with torch tensors. ``CUTE_FLASH_ARCH``
+(``sm_80`` or ``sm_90a``) overrides the target so every variant can be built on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+
+ARCHS = ("sm_80", "sm_90a")
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+def arch_from_capability(major: int, minor: int) -> str:
+    """Compile target for a device: the chip's own target (a cubin only runs on its major
+    version), with the ``a`` suffix on Hopper so wgmma/setmaxnreg are available."""
+    if major == 9:
+        return "sm_90a"
+    if major == 8:
+        return f"sm_{major}{minor}"
+    raise ValueError(f"cute_flash supports compute capability 8.x and 9.0, got {major}.{minor}")
+
+
+def resolve_arch(device: Any = None) -> str:
+    """Target for kernels that will run on ``device``; ``CUTE_FLASH_ARCH`` overrides it."""
+    env = os.environ.get("CUTE_FLASH_ARCH")
+    if env:
+        if env not in ARCHS:
+            raise ValueError(f"CUTE_FLASH_ARCH must be one of {ARCHS}, got {env!r}")
+        return env
+    import torch
+
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device: set CUTE_FLASH_ARCH=sm_80|sm_90a to compile without one")
+        device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    return arch_from_capability(major, minor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake tensors
+# ---------------------------------------------------------------------------------------------
+def sym() -> Any:
+    """A symbolic extent; reuse the same object where two extents must be equal at run time."""
+    return cute.sym_int()
+
+
+def fake_tensor(dtype: Any, shape: tuple, leading_dim: int | None = -1, divisibility: int = 1) -> Any:
+    """Fake tensor with symbolic strides; ``leading_dim`` gets a static unit stride (what the
+    vectorised 16-byte copies need), the others a stride divisible by ``divisibility`` elements."""
+    if leading_dim is not None and leading_dim < 0:
+        leading_dim += len(shape)
+    stride = tuple(
+        1 if i == leading_dim else cute.sym_int64(divisibility=divisibility) for i in range(len(shape))
+    )
+    align = max(divisibility * dtype.width // 8, 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def fake_stream() -> Any:
+    # The real stream is torch's current stream, read by TVM-FFI at each call.
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def vec_div(dtype: Any) -> int:
+    """Stride divisibility (elements) that makes every row start 16-byte aligned."""
+    return 128 // dtype.width
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and the compile cache
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelConfig:
+    """Base of every kernel variant's config. Subclasses are frozen dataclasses (hashable: the
+    cache key) and implement ``build`` (the kernel object) and ``fake_args`` (compile arguments,
+    stream last). ``target`` is the compile target, ``None`` meaning the current device."""
+
+    target: str | None
+
+    kernel_name = "kernel"
+
+    def build(self) -> Any:
+        raise NotImplementedError
+
+    def fake_args(self) -> tuple:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if k != "target"}
+        return f"{self.kernel_name}[{self.target}](" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"
+
+
+_cache: dict[KernelConfig, Any] = {}
+_lock = threading.Lock()
+
+
+def _options(cfg: KernelConfig, keep: bool) -> str:
+    opts = ["--enable-tvm-ffi"]
+    if cfg.target is not None and os.environ.get("CUTE_DSL_ARCH") != cfg.target:
+        # Cross-compile: PTX and cubin are produced for that target without a device.
+        opts.append(f"--gpu-arch {cfg.target}")
+    if keep:
+        opts.append("--keep-ptx --keep-cubin")
+    return " ".join(opts)
+
+
+def compile_kernel(cfg: KernelConfig, keep: bool = False) -> Any:
+    """Compiled executor for ``cfg``; the first call compiles, later calls hit the cache."""
+    fn = _cache.get(cfg)
+    if fn is not None and (not keep or getattr(fn, "_cf_keep", False)):
+        return fn
+    with _lock:
+        fn = _cache.get(cfg)
+        if fn is None or (keep and not getattr(fn, "_cf_keep", False)):
+            fn = cute.compile(cfg.build(), *cfg.fake_args(), options=_options(cfg, keep))
+            try:
+                fn._cf_keep = keep
+            except AttributeError:
+                pass
+            _cache[cfg] = fn
+    return fn
+
+
+def compile_artifacts(cfg: KernelConfig) -> tuple[str, bytes]:
+    """(PTX text, cubin bytes) of one variant, for inspection."""
+    fn = compile_kernel(cfg, keep=True)
+    return fn.artifacts.PTX, fn.artifacts.CUBIN
+
+
+def cache_size() -> int:
+    return len(_cache)
