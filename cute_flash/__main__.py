@@ -1,0 +1,240 @@
+"""``python -m cute_flash``: check and time the kernels on this machine's GPU, or, without one, compile
+them for sm_80 and sm_90a and print their instruction mix.
+
+``python -m cute_flash inspect ...``: compile one variant without a GPU and report its PTX/SASS
+(see ``cute_flash/inspect.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cute_flash",
+        description="With a CUDA GPU: check our attention against the fp32 reference (2x rule) and time it "
+                    "against SDPA (flash backend), fwd and bwd. Without one: compile the forward and "
+                    "backward for sm_80 and sm_90a and print the instruction mix. "
+                    "Subcommand: 'inspect' (see 'python -m cute_flash inspect -h').")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--no-bwd", action="store_true", help="forward only")
+    p.add_argument("--no-bench", action="store_true", help="check correctness only (GPU mode)")
+    p.add_argument("--compile-only", action="store_true", help="the no-GPU mode even when a GPU is present")
+    p.add_argument("--arch", action="append", choices=("sm_80", "sm_90a"),
+                   help="compile-only mode: targets (default both; repeat the flag for several)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="compile-only mode: parallel compile processes (default: CPU count)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# No GPU: compile and show the instruction mix
+# ---------------------------------------------------------------------------------------------
+def _compile_main(args: argparse.Namespace) -> int:
+    from cute_flash import inspect as ins
+
+    archs = args.arch or ["sm_80", "sm_90a"]
+    kernels = ["fwd"] if args.no_bwd else ["fwd", "bwd"]
+    variants = [ins.Variant(arch=a, kernel=k, dtype=args.dtype, hdim=args.hdim, causal=c)
+                for a in archs for k in kernels for c in (False, True)]
+    print(f"no CUDA GPU (or --compile-only): compiling {len(variants)} variants "
+          f"({', '.join(archs)}; {'/'.join(kernels)}; {args.dtype} d={args.hdim}; causal and not)...",
+          flush=True)
+    t0 = time.perf_counter()
+    reports = ins.inspect_many(variants, workers=args.workers)
+    wall = time.perf_counter() - t0
+    print()
+    print(ins.mix_table(reports))
+    failed = [r for r in reports if "error" in r]
+    spilled = [r for r in reports if "error" not in r and (r["spill_bytes"] or r["local_bytes"])]
+    print(f"\n{len(reports) - len(failed)}/{len(reports)} variants compiled in {wall:.1f} s wall "
+          f"(sum of compile times {sum(r.get('compile_s', 0.0) for r in reports):.1f} s)")
+    for r in spilled:
+        v = ins.Variant(**{k: r[k] for k in ("arch", "kernel", "dtype", "hdim", "causal")})
+        print(f"WARNING: {v.label()} spills {r['spill_bytes']} B / uses {r['local_bytes']} B of local memory")
+    for r in failed:
+        print(f"FAILED: {ins.Variant(**r['variant']).label()}: {r['error']}")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: correctness (2x rule) and speed against SDPA
+# ---------------------------------------------------------------------------------------------
+def _bench_ms(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn`` (triton's do_bench, else CUDA events around single calls)."""
+    import torch
+
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        try:
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        except TypeError:  # older triton: no return_mode
+            return float(do_bench(fn, warmup=25, rep=100, quantiles=[0.5])[0])
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _rounding_floor(ref: Any) -> float:
+    # Error of representing ~0.3-sized values in the reference's dtype: the absolute tolerance the
+    # flash-attention tests add to the 2x rule, so an exact-zero torch error can't make it impossible.
+    return 2.0 * float(((ref + 0.3 - 0.3) - ref).abs().max())
+
+
+def _check_one(name: str, ours: Any, pt: Any, ref: Any) -> tuple[bool, str]:
+    ours_f, pt_f, ref_f = ours.float(), pt.float(), ref.float()
+    err = float((ours_f - ref_f).abs().max())
+    err_pt = float((pt_f - ref_f).abs().max())
+    bound = 2.0 * err_pt + _rounding_floor(ref)
+    rel = float((ours_f - ref_f).norm() / ref_f.norm().clamp_min(1e-30))
+    ok = math.isfinite(err) and err <= bound
+    return ok, (f"| {name} | {err:.3e} | {err_pt:.3e} | {bound:.3e} | {rel:.2e} | "
+                f"{'ok' if ok else 'FAIL'} |")
+
+
+def _gpu_main(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        from cute_flash import flash_attn_func
+    except ImportError as e:
+        print(f"error: cute_flash.flash_attn_func is not available: {e}", file=sys.stderr)
+        return 2
+    try:
+        from cute_flash.reference import attention_ref
+    except ImportError as e:
+        print(f"error: cute_flash.reference.attention_ref is not available: {e}", file=sys.stderr)
+        return 2
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    B, N, H, D = args.batch, args.seqlen, args.heads, args.hdim
+    print(f"device: {torch.cuda.get_device_name(dev)}  torch {torch.__version__}")
+    print(f"problem: B={B} N={N} H={H} d={D} {args.dtype}; layout (B, N, H, d)\n")
+    ok_all = True
+    check_rows = ["| check | max abs err ours | max abs err torch-" + args.dtype + " | bound (2x + floor) "
+                  "| rel L2 ours | result |", "|---|---|---|---|---|---|"]
+    perf_rows = ["| causal | dir | ours ms | ours TFLOP/s | SDPA-flash ms | SDPA-flash TFLOP/s | ours/SDPA |",
+                 "|---|---|---|---|---|---|---|"]
+    for causal in (False, True):
+        torch.manual_seed(1234 + causal)
+        # Fresh random inputs (never zeros: they hide unwritten outputs and run unrealistically fast).
+        q, k, v = (torch.randn(B, N, H, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(B, N, H, D, device=dev, dtype=dtype)
+        tag = "causal" if causal else "full"
+
+        t0 = time.perf_counter()
+        out = flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        t_fwd_first = time.perf_counter() - t0
+        grads: tuple[Any, ...] = ()
+        t_bwd_first = float("nan")
+        if not args.no_bwd:
+            t0 = time.perf_counter()
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            torch.cuda.synchronize()
+            t_bwd_first = time.perf_counter() - t0
+        print(f"[{tag}] first call (compile + run): fwd {t_fwd_first:.1f} s, bwd {t_bwd_first:.1f} s", flush=True)
+
+        # References per batch element: the fp32 reference materialises B*H*N*N scores, and a slice
+        # keeps the peak memory at 1/B of that.
+        refs: dict[str, list[Any]] = {"out": [], "out_pt": [], "dq": [], "dk": [], "dv": [], "dq_pt": [],
+                                      "dk_pt": [], "dv_pt": []}
+        for b in range(B):
+            sl = [t[b:b + 1].detach().clone().requires_grad_() for t in (q, k, v)]
+            for upcast, sfx in ((True, ""), (False, "_pt")):
+                o, _ = attention_ref(*sl, causal=causal, upcast=upcast)
+                refs["out" + sfx].append(o.detach())
+                if not args.no_bwd:
+                    g = torch.autograd.grad(o, sl, dout[b:b + 1])
+                    for name, t in zip(("dq", "dk", "dv"), g):
+                        refs[name + sfx].append(t)
+            del sl
+        cat = {kk: torch.cat(vv) for kk, vv in refs.items() if vv}
+        for name, ours_t in (("out", out), *zip(("dq", "dk", "dv"), grads)):
+            ok, row = _check_one(f"{tag} {name}", ours_t, cat[name + "_pt"], cat[name])
+            ok_all &= ok
+            check_rows.append(row)
+        del refs, cat
+        torch.cuda.empty_cache()
+
+        if args.no_bench:
+            continue
+        flops = 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, H, N, d): a view, no copy
+
+        def sdpa(qt=qt, kt=kt, vt=vt, causal=causal) -> Any:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+        ms_ours_f = _bench_ms(lambda: flash_attn_func(q, k, v, causal=causal))
+        ms_sdpa_f = _bench_ms(sdpa)
+        perf_rows.append(f"| {int(causal)} | fwd | {ms_ours_f:.3f} | {flops / ms_ours_f * 1e-9:.0f} | "
+                         f"{ms_sdpa_f:.3f} | {flops / ms_sdpa_f * 1e-9:.0f} | {ms_sdpa_f / ms_ours_f:.2f} |")
+        if not args.no_bwd:
+            # Backward alone: autograd.grad on one saved graph, retained between repetitions.
+            o1 = flash_attn_func(q, k, v, causal=causal)
+            o2 = sdpa()
+            ms_ours_b = _bench_ms(lambda: torch.autograd.grad(o1, (q, k, v), dout, retain_graph=True))
+            ms_sdpa_b = _bench_ms(lambda: torch.autograd.grad(o2, (q, k, v), dout.transpose(1, 2),
+                                                              retain_graph=True))
+            bflops = 2.5 * flops
+            perf_rows.append(f"| {int(causal)} | bwd | {ms_ours_b:.3f} | {bflops / ms_ours_b * 1e-9:.0f} | "
+                             f"{ms_sdpa_b:.3f} | {bflops / ms_sdpa_b * 1e-9:.0f} | {ms_sdpa_b / ms_ours_b:.2f} |")
+            del o1, o2
+        del q, k, v, dout, out, grads
+        torch.cuda.empty_cache()
+
+    print("\nCorrectness (ours vs fp32 reference; pass when err <= 2 x torch-" + args.dtype + " err + floor):")
+    print("\n".join(check_rows))
+    if not args.no_bench:
+        print("\nSpeed (median; FLOPs = 4*B*H*N^2*d, halved for causal; bwd = 2.5x fwd, timed alone):")
+        print("\n".join(perf_rows))
+    print("\nRESULT:", "PASS" if ok_all else "FAIL")
+    return 0 if ok_all else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "inspect":
+        from cute_flash import inspect as ins
+
+        p = argparse.ArgumentParser(prog="python -m cute_flash inspect",
+                                    description="Compile one kernel variant without a GPU and report its "
+                                                "PTX/SASS instruction mix, registers, spills and smem.")
+        ins.add_arguments(p)
+        return ins.main(p.parse_args(argv[1:]))
+    args = _build_parser().parse_args(argv)
+    import torch
+
+    if torch.cuda.is_available() and not args.compile_only:
+        return _gpu_main(args)
+    return _compile_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

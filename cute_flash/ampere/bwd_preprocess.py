@@ -1,0 +1,128 @@
+"""Backward preprocess (sm80 instructions, any sm80+ GPU).
+
+One CTA per (query block, head, batch), ``tile_m`` = the main kernel's query tile:
+
+* ``D[i] = sum_d dO[i, d] * O[i, d]`` in fp32 (the softmax-Jacobian term of dS = P (dP - D));
+* ``LSE2[i] = LSE[i] * log2(e)`` so the main kernel recomputes P with one FFMA + ``ex2`` per
+  score; a row that saw no key (LSE = -inf) gets +inf, which makes its P exactly 0 instead of
+  exp2(-inf + inf) = NaN;
+* the padding rows of the tile (past the sequence end) get D = 0 and LSE2 = +inf, so the main
+  kernel loads whole tiles unpredicated and those rows contribute exact zeros;
+* the tile's fp32 dQ accumulator chunk is zeroed (and, in deterministic mode, its semaphore),
+  which saves a separate memset launch: the bytes written are the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cute_flash.kernels import bwd_math
+from cute_flash.kernels.seqlen import SeqlenInfo
+
+from . import common
+
+LOG2_E = math.log2(math.e)
+
+
+class FlashBwdPreSm80:
+    num_threads = 128
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim, self.hdim_v, self.tile_m = cfg.hdim, cfg.hdim_v, cfg.tile_m
+        self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
+        # O/dO rows are read with 16-byte loads, 8 (or 4) threads per 64 (32) columns; a row's
+        # partial dot products are then combined with shuffles inside those lanes.
+        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.threads_per_row = (64 if self.hdim_v % 64 == 0 else 32) // 8
+        assert self.tile_m * self.hdim % (4 * self.num_threads) == 0
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
+                 mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, stream):
+        mO, mdO = [common.to_seq_dim_head(t) for t in (mO, mdO)]
+        mLSE, mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE, mLSE2, mD, mdQaccum)]
+        if cutlass.const_expr(mSemaphore is not None):
+            mSemaphore = common.lse_to_seq_head(mSemaphore)
+        if cutlass.const_expr(self.varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            seqlen_q = max_seqlen_q
+        else:
+            num_batch = mO.shape[3]
+            seqlen_q = mO.shape[0]
+        grid = (cute.ceil_div(seqlen_q, self.tile_m), mO.shape[2], num_batch)
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mSemaphore, mCuSeqlensQ).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
+               mCuSeqlensQ: cute.Tensor | None):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo(batch, mO.shape[0], mO.shape[0], mCuSeqlensQ, None)
+        # Varlen grids are sized by the longest sequence; blocks past this one's end own no rows.
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            self.rowsum_dO_O(mO, mdO, mLSE, mLSE2, mD, seqlen, tidx, m_block, head, batch)
+            self.clear_accumulators(mdQaccum, mSemaphore, seqlen, tidx, m_block, head, batch)
+
+    @cute.jit
+    def rowsum_dO_O(self, mO, mdO, mLSE, mLSE2, mD, seqlen: SeqlenInfo, tidx, m_block, head, batch):
+        tile = (self.tile_m, self.hdim_v)
+        gO = cute.local_tile(seqlen.q_rows(mO, head, batch), tile, (m_block, 0))
+        gdO = cute.local_tile(seqlen.q_rows(mdO, head, batch), tile, (m_block, 0))
+        thr = self.copy_O.get_slice(tidx)
+        tOgO, tOgdO = thr.partition_S(gO), thr.partition_S(gdO)
+        tOcO = thr.partition_S(cute.make_identity_tensor(tile))
+        rO = cute.make_rmem_tensor_like(tOgO, self.dtype)
+        rdO = cute.make_rmem_tensor_like(tOgdO, self.dtype)
+        rO.fill(0.0)
+        rdO.fill(0.0)
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        # (CPY, rows, col chunks): load only rows inside the sequence; padding rows stay 0.
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(self.copy_O, tOgO[None, m, None], rO[None, m, None])
+                cute.copy(self.copy_O, tOgdO[None, m, None], rdO[None, m, None])
+
+        gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (m_block,))
+        gLSE2 = cute.local_tile(bwd_math.scratch_rows(mLSE2, seqlen, head, batch, self.tile_m),
+                                (self.tile_m,), (m_block,))
+        gD = cute.local_tile(bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
+                             (self.tile_m,), (m_block,))
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            prod = rO[None, m, None].load().to(Float32) * rdO[None, m, None].load().to(Float32)
+            dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            dot = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=self.threads_per_row)
+            row = tOcO[0, m, 0][0]
+            if tOcO[0, m, 0][1] == 0:  # the first lane of the row's group writes
+                gD[row] = dot
+                lse2 = Float32.inf
+                if row < rows_left:
+                    lse = gLSE[row]
+                    if lse != -Float32.inf:
+                        lse2 = lse * Float32(LOG2_E)
+                gLSE2[row] = lse2
+
+    @cute.jit
+    def clear_accumulators(self, mdQaccum, mSemaphore, seqlen: SeqlenInfo, tidx, m_block, head, batch):
+        gdQ = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        copy = bwd_math.tiled_copy_1d(Float32, self.num_threads, 4)
+        # (4 floats per 16-byte store, stores per thread)
+        tdQ = copy.get_slice(tidx).partition_D(gdQ)
+        zero = cute.make_rmem_tensor_like(tdQ, Float32)
+        zero.fill(0.0)
+        cute.copy(copy, zero, tdQ)
+        if cutlass.const_expr(self.deterministic):
+            if tidx == 0:
+                idx = bwd_math.semaphore_index(seqlen, batch, m_block, self.tile_m)
+                if cutlass.const_expr(seqlen.varlen_q):
+                    mSemaphore[idx, head] = Int32(0)
+                else:
+                    mSemaphore[idx, head, batch] = Int32(0)

@@ -1,0 +1,271 @@
+"""FlashAttention-2 forward for sm80 (runs on sm80+ with sm80 instructions only).
+
+One CTA owns ``tile_m`` query rows of one (batch, head) and walks the K/V blocks from the last
+to the first (the last one is the only partial one, so it is peeled and masked first). Each
+warp owns whole query rows (split-Q): the row max/sum need only quad shuffles, never shared
+memory. Loads are cp.async into swizzled shared memory (no bank conflicts for ldmatrix): V(j)
+streams in while S = Q K(j)^T and the softmax run, K(j-1) while O += P V(j) runs. P stays in
+registers: the fp32 C fragment of QK^T converted to 16 bit is exactly the A fragment of PV.
+"""
+
+
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.layout import acc_to_frgA, acc_to_mn, transpose_smem
+from cute_flash.kernels.mask import AttentionMask
+from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.kernels.softmax import LOG2_E, OnlineSoftmax
+
+from . import common
+
+
+class FlashFwdSm80:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
+        self.tile_m, self.tile_n, self.num_threads, self.num_stages = cfg.tiles
+        self.is_causal, self.is_local = cfg.causal, cfg.local
+        self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts, copies, MMAs, launch
+    # ------------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        self.sQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
+        self.sK_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim)
+        self.sV_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim_v)
+        self.sO_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim_v)
+        self.copy_QK = common.g2s_tiled_copy(self.dtype, self.hdim, self.num_threads)
+        self.copy_V = common.g2s_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.mma = common.warp_tiled_mma(self.dtype, self.num_threads // 32)
+
+    def _storage(self):
+        sq = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+
+        @cute.struct
+        class Storage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+
+        return Storage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, stream):
+        self._setup()
+        Storage = self._storage()
+        mQ, mK, mV, mO = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mO)]
+        mLSE = common.lse_to_seq_head(mLSE)
+        if cutlass.const_expr(self.varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            seqlen_q = max_seqlen_q
+        else:
+            num_batch = mQ.shape[3]
+            seqlen_q = mQ.shape[0]
+        # With softcap, scores become softcap*tanh(s*scale/softcap): the tanh input is pre-scaled
+        # and softcap plays the role of the softmax scale afterwards.
+        score_scale = Float32(1.0)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        if cutlass.const_expr(self.has_softcap):
+            score_scale = softmax_scale / softcap
+            scale_log2 = softcap * Float32(LOG2_E)
+        grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
+        self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
+                    window_left, window_right, Storage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+               score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
+               Storage: cutlass.Constexpr):
+        # Layouts, copies and MMAs are rebuilt here: values made on the host side would live
+        # outside the kernel's IR region.
+        self._setup()
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows.
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left,
+                             window_right, Storage, tidx, m_block, head, batch)
+
+    @cute.jit
+    def attend_tile(self, mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, score_scale, scale_log2,
+                    window_left, window_right, Storage: cutlass.Constexpr, tidx, m_block, head, batch):
+        # GQA/MQA: query head h reads kv head h // (H / H_kv); no K/V copies.
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
+
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        sQ = storage.sQ.get_tensor(self.sQ_layout)
+        sK = storage.sK.get_tensor(self.sK_layout)
+        sV = storage.sV.get_tensor(self.sV_layout)
+        sVt = transpose_smem(sV)
+
+        thr_copy_QK = self.copy_QK.get_slice(tidx)
+        thr_copy_V = self.copy_V.get_slice(tidx)
+        tKgK, tKsK = thr_copy_QK.partition_S(gK), thr_copy_QK.partition_D(sK)
+        tVgV, tVsV = thr_copy_V.partition_S(gV), thr_copy_V.partition_D(sV)
+        tKcK = thr_copy_QK.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim)))
+        tVcV = thr_copy_V.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
+
+        thr_mma = self.mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        s2r_Q = cute.make_tiled_copy_A(ldsm, self.mma).get_slice(tidx)
+        s2r_K = cute.make_tiled_copy_B(ldsm, self.mma).get_slice(tidx)
+        s2r_V = cute.make_tiled_copy_B(ldsm_t, self.mma).get_slice(tidx)
+        tSsQ, tSsK, tOsVt = s2r_Q.partition_S(sQ), s2r_K.partition_S(sK), s2r_V.partition_S(sVt)
+
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                               window_left, window_right)
+        n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_O, mode=[0, 0]) * cute.size(acc_O, mode=[1]))
+        softmax.reset()
+
+        ctx = common.Ctx(
+            thr_mma=thr_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, s2r_Q=s2r_Q, s2r_K=s2r_K,
+            s2r_V=s2r_V, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
+            tKcK=tKcK, tVcV=tVcV, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block,
+            n_block_min=n_block_min, score_scale=score_scale)
+
+        # Prologue: Q and the last (possibly partial) K block in flight together.
+        common.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
+                         seqlen.seqlen_q - m_block * self.tile_m, tidx)
+        if n_block_max > n_block_min:
+            self.load_K(ctx, n_block_max - 1, partial=True)
+        cute.arch.cp_async_commit_group()
+
+        right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
+        left_end = block_info.n_block_left_mask_end(seqlen, m_block, n_block_min)
+        if n_block_max > n_block_min:
+            self.mainloop(ctx, n_block_max, right_start, left_end)
+
+        row_scale = softmax.finalize()
+        OnlineSoftmax.rescale(acc_O, row_scale)
+        self.epilogue(ctx, mO, mLSE, sQ, tidx, head, batch)
+
+    @cute.jit
+    def mainloop(self, ctx, n_block_max: Int32, right_start: Int32, left_end: Int32):
+        """K/V blocks from last to first: masked edge blocks, then the unmasked interior."""
+        n_block_min = ctx.n_block_min
+        # The first block visited: always masked (sequence end, and the causal/window edge).
+        self.one_block(ctx, n_block_max - 1, is_first=True, partial=True,
+                       mask_right=self.is_causal or self.is_local, mask_left=self.is_local)
+        n_block = n_block_max - 2
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            # Blocks on the diagonal band: masked on the right (and left for narrow windows).
+            lo = cutlass.max(right_start, n_block_min)
+            for _ in cutlass.range(n_block - lo + 1, unroll=1):
+                self.one_block(ctx, n_block, is_first=False, partial=False, mask_right=True,
+                               mask_left=self.is_local)
+                n_block -= 1
+        # Interior blocks: no mask at all.
+        lo = cutlass.max(left_end, n_block_min)
+        for _ in cutlass.range(n_block - lo + 1, unroll=1):
+            self.one_block(ctx, n_block, is_first=False, partial=False, mask_right=False,
+                           mask_left=False)
+            n_block -= 1
+        if cutlass.const_expr(self.is_local):
+            # Left edge of the window.
+            for _ in cutlass.range(n_block - n_block_min + 1, unroll=1):
+                self.one_block(ctx, n_block, is_first=False, partial=False, mask_right=False,
+                               mask_left=True)
+                n_block -= 1
+
+    @cute.jit
+    def load_K(self, ctx, n_block: Int32, partial: cutlass.Constexpr[bool]):
+        common.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block], ctx.tKsK, ctx.tKcK,
+                          ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
+
+    @cute.jit
+    def load_V(self, ctx, n_block: Int32, partial: cutlass.Constexpr[bool]):
+        # V rows past the sequence end must be zeros, not stale smem: P is 0 there but 0 * NaN
+        # would still poison O.
+        common.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block], ctx.tVsV, ctx.tVcV,
+                          ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
+
+    @cute.jit
+    def one_block(self, ctx, n_block: Int32, is_first: cutlass.Constexpr[bool],
+                  partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+                  mask_left: cutlass.Constexpr[bool]):
+        acc_S = cute.make_rmem_tensor(ctx.thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+        # K(n) has landed and every warp is done with V(n+1): V(n) may overwrite it.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        self.load_V(ctx, n_block, partial)
+        cute.arch.cp_async_commit_group()
+
+        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK, ctx.s2r_Q, ctx.s2r_K)
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
+        if cutlass.const_expr(partial or mask_right or mask_left):
+            ctx.mask.apply_mask(acc_S, ctx.thr_mma, ctx.m_block, n_block, mask_seqlen=partial,
+                                mask_causal=mask_right and self.is_causal,
+                                mask_local=(mask_right or mask_left) and self.is_local)
+        row_scale = ctx.softmax.online_softmax(acc_S, is_first=is_first)
+        if cutlass.const_expr(not is_first):
+            OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+
+        # V(n) has landed and every warp is done with K(n): K(n-1) may overwrite it.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if n_block > ctx.n_block_min:
+            self.load_K(ctx, n_block - 1, partial=False)
+        cute.arch.cp_async_commit_group()
+        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt, ctx.s2r_V)
+
+    @cute.jit
+    def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):
+        seqlen = ctx.seqlen
+        rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
+        # LSE: the lane holding column 0 of a row writes it.
+        gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
+        cO = acc_to_mn(ctx.thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        if cO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(ctx.softmax.row_sum)):
+                row = cO[r, 0][0]
+                if row < rows_left:
+                    gLSE[row] = ctx.softmax.row_sum[r]
+
+        # O: registers -> smem (reusing Q's buffer) -> 16-byte coalesced global stores.
+        rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
+        rO.store(ctx.acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, self.sO_layout)
+        cute.arch.barrier()  # every warp is done reading Q from smem
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
+                                     self.mma).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        cute.arch.barrier()
+        gO = cute.local_tile(seqlen.q_rows(mO, head, batch), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
+        common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
+                          rows_left)
+
+

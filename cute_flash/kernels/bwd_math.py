@@ -1,0 +1,150 @@
+"""Backward-only device helpers: the padded per-batch scratch layout shared by the three backward
+kernels, where the causal/window mask stops/starts being needed along the query blocks of one
+K/V block, fp32 reductions into global memory and the ordering semaphore of deterministic mode.
+
+Scratch layout (allocated in ``cute_flash.bwd.run_bwd``): LSE*log2(e), D = rowsum(dO*O) and the
+dQ accumulator are indexed by a *padded* row: dense inputs pad every (batch, head) to
+``ceil(Nq / tile_m) * tile_m`` rows; packed (varlen) inputs start batch ``b`` at
+``(cu_q[b] + b * tile_m) // tile_m * tile_m``, so every batch begins on a tile boundary and no
+two batches share a tile. The kernels therefore read and write whole tiles without row predicates;
+the preprocess fills the padding rows with values that make their contributions exact zeros.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cute_flash.kernels.seqlen import SeqlenInfo
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded scratch rows
+# ---------------------------------------------------------------------------------------------
+def padded_offset_q(seqlen: SeqlenInfo, batch_idx: Int32, tile_m: int) -> Int32:
+    """First padded row of this batch in a packed scratch buffer (0 for dense ones, where the batch
+    is a separate tensor mode)."""
+    if cutlass.const_expr(seqlen.varlen_q):
+        return (seqlen.offset_q + batch_idx * tile_m) // tile_m * tile_m
+    return Int32(0)
+
+
+def scratch_rows(mT: cute.Tensor, seqlen: SeqlenInfo, head: Int32, batch: Int32, tile_m: int) -> cute.Tensor:
+    """Per-row fp32 scratch (LSE*log2e, D) of one (batch, head): dense (Npad, H, B), packed
+    (Tpad, H)."""
+    if cutlass.const_expr(seqlen.varlen_q):
+        return cute.domain_offset((padded_offset_q(seqlen, batch, tile_m),), mT[None, head])
+    return mT[None, head, batch]
+
+
+def dq_accum_block(mdQaccum: cute.Tensor, seqlen: SeqlenInfo, head: Int32, batch: Int32, m_block: Int32,
+                   tile_m: int, hdim: int) -> cute.Tensor:
+    """The ``tile_m * hdim`` fp32 dQ accumulator chunk of one query block: dense (Npad*d, H, B),
+    packed (Tpad*d, H). Inside the chunk the order is the main kernel's MMA fragment order (see
+    ``FlashBwdSm80``), not row-major, so that each warp's atomics hit whole 128-byte lines."""
+    if cutlass.const_expr(seqlen.varlen_q):
+        base = cute.domain_offset((padded_offset_q(seqlen, batch, tile_m) * hdim,), mdQaccum[None, head])
+    else:
+        base = mdQaccum[None, head, batch]
+    return cute.local_tile(base, (tile_m * hdim,), (m_block,))
+
+
+def semaphore_index(seqlen: SeqlenInfo, batch: Int32, m_block: Int32, tile_m: int) -> Int32:
+    """Row of the (dense (Mblocks, H, B) | packed (Tpad / tile_m, H)) semaphore tensor."""
+    return padded_offset_q(seqlen, batch, tile_m) // tile_m + m_block
+
+
+# ---------------------------------------------------------------------------------------------
+# Query-block ranges of one K/V block that need the element-wise mask
+# ---------------------------------------------------------------------------------------------
+class BwdMaskBounds:
+    """For K/V block ``n_block``: query blocks below ``right_end`` may hold keys right of some
+    row's limit (the causal diagonal / right window edge); blocks from ``left_start`` on may
+    hold keys left of some row's window. Same bottom-right aligned convention as
+    ``BlockInfo``: row i sees key j iff i + off - left <= j <= i + off + right, off = Nk - Nq."""
+
+    def __init__(self, tile_m: int, tile_n: int, is_causal: bool, is_local: bool,
+                 window_left: Int32, window_right: Int32):
+        self.tile_m, self.tile_n = tile_m, tile_n
+        self.is_causal, self.is_local = is_causal, is_local
+        self.window_left, self.window_right = window_left, window_right
+
+    @cute.jit
+    def right_mask_end(self, seqlen: SeqlenInfo, n_block: Int32, m_block_min: Int32) -> Int32:
+        """First query block whose every row sees the last key of the block on the right side.
+        Block m needs no right mask iff its first row m*tile_m sees key (n+1)*tile_n - 1, i.e.
+        m*tile_m + off + right >= (n+1)*tile_n - 1."""
+        res = m_block_min
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            offset = seqlen.seqlen_k - seqlen.seqlen_q
+            right = Int32(0)
+            if cutlass.const_expr(self.is_local):
+                right = self.window_right
+            need = (n_block + 1) * self.tile_n - 1 - offset - right  # smallest first row that is safe
+            res = cutlass.max(m_block_min, cute.ceil_div(cutlass.max(need, 0), self.tile_m))
+            if cutlass.const_expr(self.is_local):
+                if self.window_right < 0:
+                    res = m_block_min
+        return res
+
+    @cute.jit
+    def left_mask_start(self, seqlen: SeqlenInfo, n_block: Int32, m_block_max: Int32) -> Int32:
+        """First query block that may hold a row whose window starts right of the block's first
+        key. Block m needs the left mask iff its last row (m+1)*tile_m - 1 has
+        (m+1)*tile_m - 1 + off - left > n*tile_n."""
+        res = m_block_max
+        if cutlass.const_expr(self.is_local):
+            if self.window_left >= 0:
+                offset = seqlen.seqlen_k - seqlen.seqlen_q
+                # smallest last row that needs the mask: n*tile_n + 1 - off + left
+                x = n_block * self.tile_n + 1 - offset + self.window_left
+                res = cutlass.min(m_block_max, cutlass.max(x, 0) // self.tile_m)
+        return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Global-memory reductions and ordering
+# ---------------------------------------------------------------------------------------------
+@cute.jit
+def red_add_f32(ptr: cute.Pointer, val: Float32):
+    """Fire-and-forget fp32 add performed at L2 (``red.global.add.f32``): no return value, so the
+    warp does not wait for the round trip the way ``atom`` would."""
+    cute.arch.red(ptr, val, op="add", dtype="f32")
+
+
+@cute.jit
+def semaphore_wait(ptr: cute.Pointer, expected: Int32, tidx: Int32):
+    """Block the CTA until ``*ptr == expected``. One thread spins with acquire loads (gpu
+    scope); the CTA barrier then extends the acquire to every thread, so no thread issues its
+    dQ reductions before the previous K/V block's reductions are visible."""
+    if tidx == 0:
+        val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        while val != expected:
+            val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.barrier()
+
+
+@cute.jit
+def semaphore_signal(ptr: cute.Pointer, value: Int32, tidx: Int32):
+    """Publish ``value`` after every thread's reductions: each thread fences at gpu scope (its
+    red.adds are ordered before the flag), the barrier collects the CTA, one thread releases."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier()
+    if tidx == 0:
+        cute.arch.store(ptr, value, sem="release", scope="gpu")
+
+
+def tiled_copy_1d(dtype, num_threads: int, elems: int, async_copy: bool = False):
+    """``num_threads`` threads each moving ``elems`` contiguous elements (16 B when
+    elems * width == 128): for flat fp32 rows (LSE, D, dQ accumulator chunks)."""
+    from cutlass.cute.nvgpu import cpasync
+
+    bits = elems * dtype.width
+    if async_copy:
+        op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL if bits == 128
+                               else cpasync.LoadCacheMode.ALWAYS)
+    else:
+        op = cute.nvgpu.CopyUniversalOp()
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout(num_threads), cute.make_layout(elems))

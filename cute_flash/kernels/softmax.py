@@ -1,0 +1,78 @@
+"""Online softmax over an MMA accumulator (FA2 recurrence), with exp2 and the scale folded in.
+
+Per row: m = max(m_old, max_j s_j); p_j = 2^(s_j*c - m*c) with c = scale*log2(e) (one FFMA per
+score instead of a multiply and an exp); O and the running sum are rescaled by 2^((m_old - m)*c).
+Normalisation is deferred to the end (one reciprocal per row instead of one divide per score).
+Row sums stay per-thread until ``finalize``: the quad reduction is paid once, not per block.
+"""
+
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from cute_flash.kernels.layout import acc_to_mn
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class OnlineSoftmax:
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    def reset(self) -> None:
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turns scores into unnormalised probabilities in place; returns the per-row factor by
+        which the output accumulator must be rescaled."""
+        acc_mn = acc_to_mn(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = acc_mn[r, None].load()
+            init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
+            m_new = row.reduce(cute.ReductionOp.MAX, init, 0)
+            # The 4 lanes of a quad hold the same row (mma.sync C layout): 2 shuffles.
+            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
+            m_old = self.row_max[r]
+            self.row_max[r] = m_new
+            # A row with every key masked so far has m = -inf: use 0 so exp2 gives 0, not NaN.
+            m_scaled = (m_new if m_new != -Float32.inf else Float32(0.0)) * self.scale_log2
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            acc_mn[r, None].store(p)
+            psum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = psum
+            else:
+                scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = scale
+                self.row_sum[r] = self.row_sum[r] * scale + psum
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """Returns 1/rowsum per row (0 for rows that saw no key) and turns ``row_sum`` into the
+        natural-log LSE (-inf for rows that saw no key)."""
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            empty = s == Float32(0.0) or s != s
+            row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(s)
+            lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            self.row_sum[r] = -Float32.inf if empty else lse
+        return row_scale
+
+    @staticmethod
+    @cute.jit
+    def rescale(acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        acc_mn = acc_to_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])

@@ -1,0 +1,338 @@
+"""``torch.library`` custom ops of the ``cute_flash`` namespace.
+
+Ops: ``fwd``, ``bwd``, ``varlen_fwd``, ``varlen_bwd``. Each has
+
+* a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it;
+* a CUDA implementation that validates, allocates its outputs and calls the kernel launchers
+  (``cute_flash.fwd.run_fwd`` / ``cute_flash.bwd.run_bwd``, imported lazily so importing
+  cute_flash does not import the DSL);
+* a CPU implementation computed with ``cute_flash.reference`` (fp32 math, cast back), so
+  ``torch.library.opcheck`` and compile tests run for real on a machine without a GPU.
+
+The forward ops are differentiable through ``register_autograd``; the backward ops are not
+(no double backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_flash import reference, validate
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation and kernel-facing helpers (shared by the real and the fake implementations, so
+# both give outputs of the same shapes, dtypes and strides)
+# ---------------------------------------------------------------------------------------------
+def _alloc_fwd(q: Tensor, v: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty(validate.expected_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _alloc_bwd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # Gradients laid out like their inputs: the kernels take any strides that pass validation,
+    # and autograd then accumulates into .grad without a layout change.
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _kernel_view(t: Tensor) -> Tensor:
+    """``t`` with stride 0 on every extent-1 dim whose stride is not 16-byte aligned. Such strides
+    never address anything (validation ignores them), but the compiled kernels declare every
+    stride 16-byte divisible and would refuse the tensor at the call boundary."""
+    vec = max(validate.ALIGN_BYTES // t.element_size(), 1)
+    strides = list(t.stride())
+    changed = False
+    for dim in range(t.dim() - 1):
+        if t.shape[dim] == 1 and strides[dim] % vec != 0:
+            strides[dim] = 0
+            changed = True
+    return t.as_strided(t.shape, strides) if changed else t
+
+
+def kernel_ready(t: Tensor) -> Tensor:
+    """``t`` itself if the kernels accept its layout, else an aligned contiguous copy. Used on
+    tensors autograd hands us (e.g. ``dout`` of ``out.sum()`` is an all-stride-0 expand)."""
+    try:
+        validate.check_layout("t", t, check_data=False)
+        aligned = t.numel() == 0 or t.data_ptr() % validate.ALIGN_BYTES == 0
+    except ValueError:
+        aligned = False
+    except RuntimeError:
+        aligned = True  # a fake tensor while torch.compile traces: no pointer to check yet
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
+
+
+def _is_empty(q: Tensor, k: Tensor) -> bool:
+    """No work for a kernel: no queries, or no keys (then every row sees nothing)."""
+    return q.numel() == 0 or k.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward implementations
+# ---------------------------------------------------------------------------------------------
+def _fwd_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
+              softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
+              max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor]:
+    validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    out, lse = _alloc_fwd(q, v, cu_q is not None)
+    if _is_empty(q, k):
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    from cute_flash.fwd import run_fwd
+
+    with torch.cuda.device(q.device):
+        run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
+                causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q)
+    return out, lse
+
+
+def _fwd_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
+             softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
+             max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor]:
+    validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    out, lse = _alloc_fwd(q, v, cu_q is not None)
+    ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale=scale, causal=causal,
+                                               window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                                               cu_seqlens_k=cu_k)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, window: tuple[int, int], softcap: float,
+              cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
+              max_k: int | None = None) -> tuple[Tensor, Tensor]:
+    # Metadata checks at trace time, so a bad call fails while compiling, not at run time.
+    validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, check_data=False)
+    return _alloc_fwd(q, v, cu_q is not None)
+
+
+@torch.library.custom_op("cute_flash::fwd", mutates_args=(), device_types="cpu")
+def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
+        window_right: int, softcap: float, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention forward on (B, N, H, d) inputs: (out (B, Nq, H, dv), lse (B, H, Nq) float32).
+    ``deterministic`` only matters to the backward; it rides along so autograd can see it."""
+    return _fwd_cpu(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+
+
+@fwd.register_kernel("cuda")
+def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+
+
+@fwd.register_fake
+def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    return _fwd_fake(q, k, v, softmax_scale, (window_left, window_right), softcap)
+
+
+@torch.library.custom_op("cute_flash::varlen_fwd", mutates_args=(), device_types="cpu")
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+               softcap: float, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention forward on packed (total, H, d) inputs: (out (Tq, H, dv), lse (H, Tq) float32)."""
+    return _fwd_cpu(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
+                    cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@varlen_fwd.register_kernel("cuda")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, deterministic=False):
+    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right, softcap, deterministic=False):
+    return _fwd_fake(q, k, v, softmax_scale, (window_left, window_right), softcap, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward implementations
+# ---------------------------------------------------------------------------------------------
+def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+              causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
+              cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
+              max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    dq, dk, dv = _alloc_bwd(q, k, v)
+    if _is_empty(q, k):
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv
+    from cute_flash.bwd import run_bwd
+
+    kv = _kernel_view
+    with torch.cuda.device(q.device):
+        run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv), softmax_scale=scale,
+                causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    return dq, dk, dv
+
+
+def _bwd_cpu(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+             causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
+             cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
+             max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    dq, dk, dv = _alloc_bwd(q, k, v)
+    grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                        window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                                        cu_seqlens_k=cu_k)
+    for dst, src in zip((dq, dk, dv), grads, strict=True):
+        dst.copy_(src)
+    return dq, dk, dv
+
+
+def _bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+              window: tuple[int, int], softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
+              max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                       check_data=False)
+    return _alloc_bwd(q, k, v)
+
+
+@torch.library.custom_op("cute_flash::bwd", mutates_args=(), device_types="cpu")
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
+        causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward on (B, N, H, d) inputs: (dq, dk, dv) shaped like q, k, v."""
+    return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+                    deterministic)
+
+
+@bwd.register_kernel("cuda")
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+      deterministic=False):
+    return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+                     deterministic)
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+      deterministic=False):
+    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap)
+
+
+@torch.library.custom_op("cute_flash::varlen_bwd", mutates_args=(), device_types="cpu")
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+               window_left: int, window_right: int, softcap: float,
+               deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward on packed (total, H, d) inputs: (dq, dk, dv) shaped like q, k, v."""
+    return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@varlen_bwd.register_kernel("cuda")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left, window_right, softcap, deterministic=False):
+    return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+                     deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left, window_right, softcap, deterministic=False):
+    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap,
+                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+def _setup_fwd(ctx, inputs, output) -> None:
+    q, k, v, scale, causal, wl, wr, softcap, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.varlen = None
+    ctx.params = (scale, causal, wl, wr, softcap, deterministic)
+    # Unused outputs (usually lse) then arrive as None instead of zeros, which lets the backward
+    # skip the extra work the lse gradient costs.
+    ctx.set_materialize_grads(False)
+
+
+def _setup_varlen_fwd(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.varlen = (max_q, max_k)
+    ctx.params = (scale, causal, wl, wr, softcap, deterministic)
+    ctx.set_materialize_grads(False)
+
+
+def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    if ctx.varlen is None:
+        q, k, v, out, lse = ctx.saved_tensors
+    else:
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    scale, causal, wl, wr, softcap, deterministic = ctx.params
+
+    def run_bwd_op(do: Tensor, v_: Tensor, out_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if ctx.varlen is None:
+            return torch.ops.cute_flash.bwd(do, q, k, v_, out_, lse, scale, causal, wl, wr, softcap,
+                                            deterministic)
+        return torch.ops.cute_flash.varlen_bwd(do, q, k, v_, out_, lse, cu_q, cu_k, *ctx.varlen, scale,
+                                               causal, wl, wr, softcap, deterministic)
+
+    def run_fwd_op(v_: Tensor) -> Tensor:
+        if ctx.varlen is None:
+            return torch.ops.cute_flash.fwd(q, k, v_, scale, causal, wl, wr, softcap)[0]
+        return torch.ops.cute_flash.varlen_fwd(q, k, v_, cu_q, cu_k, *ctx.varlen, scale, causal, wl, wr,
+                                               softcap)[0]
+
+    dq = dk = dv = None
+    if dout is not None:
+        dq, dk, dv = run_bwd_op(kernel_ready(dout), v, out)
+    if dlse is not None:
+        dq_l, dk_l = _lse_grads(dlse, q, k, scale, softcap, run_fwd_op, run_bwd_op,
+                                varlen=ctx.varlen is not None)
+        # Sum in fp32 and round once.
+        dq = (dq_l if dq is None else dq.float() + dq_l).to(q.dtype)
+        dk = (dk_l if dk is None else dk.float() + dk_l).to(k.dtype)
+    return dq, dk, dv
+
+
+def _lse_grads(dlse: Tensor, q: Tensor, k: Tensor, scale: float, softcap: float, run_fwd_op, run_bwd_op,
+               varlen: bool) -> tuple[Tensor, Tensor]:
+    """dq, dk contributions (fp32) of a gradient on the LSE, from the attention ops themselves.
+
+    d lse_i / d s_ij = P_ij, so with x the unscaled scores, dq_i = scale * dlse_i * sum_j P_ij k_j:
+    an attention forward with v := k. Likewise dk_j = scale * sum_i P_ij dlse_i q_i is the dv of a
+    backward with dout := dlse * q, v := k, and out := 0 (which zeroes its rowsum(dO * O) term).
+    """
+    if softcap > 0.0:
+        raise NotImplementedError("the gradient of lse is not supported with softcap > 0 (the kernels "
+                                  "have no input for the softcap's chain-rule factor on that path)")
+    # dlse (B, H, Nq) -> (B, Nq, H, 1) or (H, Tq) -> (Tq, H, 1), to broadcast against q.
+    g = (dlse.t() if varlen else dlse.transpose(1, 2)).unsqueeze(-1).float()
+    dq = scale * g * run_fwd_op(k).float()
+    dout_l = kernel_ready((g * q.float()).to(q.dtype))
+    dk = scale * run_bwd_op(dout_l, k, torch.zeros_like(dout_l))[2].float()
+    return dq, dk
+
+
+def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+    dq, dk, dv = _attention_grads(ctx, dout, dlse)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+def _varlen_backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+    dq, dk, dv = _attention_grads(ctx, dout, dlse)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_fwd)
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_fwd)

@@ -1,0 +1,238 @@
+"""Input checks run before any kernel launch.
+
+A kernel handed a wrong shape, stride or pointer does not fail loudly: it reads out of bounds or
+silently skips tokens. Everything the kernels assume is therefore checked here, and every message
+says what was expected and what was got. Wrong types and dtypes raise ``TypeError``; wrong
+devices, shapes, strides, alignment and argument values raise ``ValueError``.
+
+The same contract is enforced on every device: the CPU implementation of the ops (the reference)
+accepts exactly what the CUDA kernels accept, so CPU tests of these checks hold for the GPU.
+
+Checks on tensor *metadata* run on fake tensors too (``torch.compile`` tracing); checks that read
+*data* (pointer alignment, cu_seqlens values) need real tensors and are switched by
+``check_data``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# The kernels move rows with 16-byte vector loads, so every row has to start 16-byte aligned.
+ALIGN_BYTES = 16
+_DEVICE_TYPES = ("cuda", "cpu", "meta")  # meta: shape inference only (the fake implementations)
+
+
+def _fmt_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_same_device(tensors: dict[str, torch.Tensor]) -> None:
+    """All tensors on one device, and a device cute_flash runs on."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items:
+        if t.device.type not in _DEVICE_TYPES:
+            raise ValueError(f"{name} is on device {t.device}; cute_flash runs on CUDA "
+                             f"(and on the CPU through its PyTorch reference)")
+        if t.device != first.device:
+            raise ValueError(f"all tensors must be on the same device: {first_name} is on {first.device}, "
+                             f"{name} is on {t.device}")
+
+
+def check_dtypes(tensors: dict[str, torch.Tensor]) -> None:
+    """fp16/bf16 only, and the same dtype for all."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    if first.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{first_name} must be float16 or bfloat16, got {_fmt_dtype(first.dtype)}")
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} must have the same dtype as {first_name} ({_fmt_dtype(first.dtype)}), "
+                            f"got {_fmt_dtype(t.dtype)}")
+
+
+def check_layout(name: str, t: torch.Tensor, *, check_data: bool = True) -> None:
+    """Unit stride in the last dim, the other strides multiples of 16 bytes, a 16-byte aligned
+    start. Strides of dims of extent <= 1 are never used to address anything and are ignored."""
+    if t.dim() == 0:
+        raise ValueError(f"{name} must not be a scalar")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), "
+                         f"got strides {tuple(t.stride())}")
+    elem = t.element_size()
+    vec = max(ALIGN_BYTES // elem, 1)
+    for dim in range(t.dim() - 1):
+        if t.shape[dim] > 1 and t.stride(dim) % vec != 0:
+            raise ValueError(f"{name}.stride({dim}) must be a multiple of {vec} elements "
+                             f"({ALIGN_BYTES} bytes) for vector loads, got strides {tuple(t.stride())}")
+    if check_data and t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % ALIGN_BYTES != 0:
+        raise ValueError(f"{name} must start at a {ALIGN_BYTES}-byte aligned address, got data_ptr "
+                         f"{t.data_ptr():#x} (a view at an unaligned offset? try .clone())")
+
+
+def _as_float(x: object) -> float | None:
+    if isinstance(x, (bool, torch.Tensor)):
+        return None
+    try:
+        return float(x)  # int, float, numpy scalars, SymFloat while tracing
+    except (TypeError, ValueError):
+        return None
+
+
+def check_scalars(*, softmax_scale: float, window_size: Sequence[int], softcap: float) -> None:
+    scale = _as_float(softmax_scale)
+    if scale is None or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    if not isinstance(window_size, Sequence) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size, strict=True):
+        try:
+            w_int = operator.index(w)  # ints and numpy ints; not floats
+        except TypeError:
+            raise ValueError(f"window_size {side} must be an int, got {w!r}") from None
+        if isinstance(w, bool):
+            raise ValueError(f"window_size {side} must be an int, got {w!r}")
+        if w_int < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w_int}")
+    cap = _as_float(softcap)
+    if cap is None or not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+
+
+def _check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool) -> None:
+    rank = 3 if varlen else 4
+    layout = "(total, H, d)" if varlen else "(B, N, H, d)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+    if not varlen and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k, v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, "
+                         f"{v.shape[0]}")
+    if k.shape[-3] != v.shape[-3]:
+        raise ValueError(f"k and v must have the same number of {'tokens' if varlen else 'keys'}, "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    h, hkv = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != hkv:
+        raise ValueError(f"k and v must have the same number of heads, got {hkv} and {v.shape[-2]}")
+    if h < 1 or hkv < 1 or h % hkv != 0:
+        raise ValueError(f"q heads must be a positive multiple of k/v heads (GQA/MQA), got {h} q heads "
+                         f"and {hkv} k/v heads")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    for name, d in (("q/k", q.shape[-1]), ("v", v.shape[-1])):
+        if d not in SUPPORTED_HEAD_DIMS:
+            supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+            raise ValueError(f"unsupported {name} head dim {d}; supported: {supported}")
+
+
+def _check_cu_seqlens_meta(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {_fmt_dtype(cu.dtype)}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of length batch+1 >= 1, got shape {tuple(cu.shape)}")
+        if cu.shape[0] > 1 and cu.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch+1, got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+
+
+def _check_cu_seqlens_data(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
+                           max_seqlen_q: int | None, max_seqlen_k: int | None) -> None:
+    # One device->host copy for both (a sync on CUDA); skipped while a CUDA graph is captured,
+    # where reading device memory on the host is not allowed.
+    if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    both = torch.cat([cu_q, cu_k]).tolist()
+    n = cu_q.shape[0]
+    for name, vals, total, max_seqlen in (("cu_seqlens_q", both[:n], total_q, max_seqlen_q),
+                                          ("cu_seqlens_k", both[n:], total_k, max_seqlen_k)):
+        if vals[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {vals[0]}")
+        lens = [b - a for a, b in zip(vals[:-1], vals[1:], strict=True)]
+        if any(x < 0 for x in lens):
+            raise ValueError(f"{name} must be non-decreasing, got {vals}")
+        if vals[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {vals[-1]}")
+        if max_seqlen is not None and lens and max(lens) > max_seqlen:
+            side = name.removeprefix("cu_seqlens_")
+            raise ValueError(f"max_seqlen_{side} ({max_seqlen}) is smaller than the longest sequence "
+                             f"({max(lens)}); the kernel would skip tokens")
+
+
+def check_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+              window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+              check_data: bool = True) -> None:
+    """Everything the forward kernel assumes about its inputs. ``check_data=False`` skips the checks
+    that read memory (for fake tensors)."""
+    tensors = {"q": _require_tensor("q", q), "k": _require_tensor("k", k), "v": _require_tensor("v", v)}
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
+        tensors["cu_seqlens_q"] = _require_tensor("cu_seqlens_q", cu_seqlens_q)
+        tensors["cu_seqlens_k"] = _require_tensor("cu_seqlens_k", cu_seqlens_k)
+    check_same_device(tensors)
+    check_dtypes({"q": q, "k": k, "v": v})
+    _check_qkv_shapes(q, k, v, varlen=varlen)
+    for name in ("q", "k", "v"):
+        check_layout(name, tensors[name], check_data=check_data)
+    check_scalars(softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    if varlen:
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+        _check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k)
+        if check_data and q.device.type != "meta":
+            _check_cu_seqlens_data(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                   max_seqlen_k)
+
+
+def expected_lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    """(B, H, Nq) or, packed, (H, total_q)."""
+    if varlen:
+        return (q.shape[1], q.shape[0])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def check_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, *, softmax_scale: float, window_size: Sequence[int] = (-1, -1),
+              softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, check_data: bool = True) -> None:
+    """Everything the backward kernels assume: the forward's checks plus dout/out/lse."""
+    check_fwd(q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, check_data=check_data)
+    tensors = {"q": q, "dout": _require_tensor("dout", dout), "out": _require_tensor("out", out),
+               "lse": _require_tensor("lse", lse)}
+    check_same_device(tensors)
+    check_dtypes({"q": q, "dout": dout, "out": out})
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    for name, t in (("dout", dout), ("out", out)):
+        if tuple(t.shape) != out_shape:
+            raise ValueError(f"{name} must have shape {out_shape} (q's with v's head dim), "
+                             f"got {tuple(t.shape)}")
+        check_layout(name, t, check_data=check_data)
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {_fmt_dtype(lse.dtype)}")
+    lse_shape = expected_lse_shape(q, cu_seqlens_q is not None)
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse must have shape {lse_shape}, got {tuple(lse.shape)}")
+    if lse.shape[-1] > 1 and lse.stride(-1) != 1:
+        raise ValueError(f"lse must be contiguous in its last dim, got strides {tuple(lse.stride())}")
