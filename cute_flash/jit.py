@@ -9,6 +9,7 @@ are symbolic, and the result is launched through TVM-FFI with torch tensors. ``C
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -112,8 +113,19 @@ def _options(cfg: KernelConfig, keep: bool) -> str:
         # Cross-compile: PTX and cubin are produced for that target without a device.
         opts.append(f"--gpu-arch {cfg.target}")
     if keep:
-        opts.append("--keep-ptx --keep-cubin")
+        # Kept artefacts go to a private temp dir, not the working directory.
+        opts.append(f"--keep-ptx --keep-cubin --dump-dir {_dump_dir()}")
     return " ".join(opts)
+
+
+def _dump_dir() -> str:
+    global _DUMP_DIR
+    if _DUMP_DIR is None:
+        _DUMP_DIR = tempfile.mkdtemp(prefix="cute_flash_dump_")
+    return _DUMP_DIR
+
+
+_DUMP_DIR: str | None = None
 
 
 def compile_kernel(cfg: KernelConfig, keep: bool = False) -> Any:

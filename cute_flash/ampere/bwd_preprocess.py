@@ -38,7 +38,6 @@ class FlashBwdPreSm80:
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         # O/dO rows are read with 16-byte loads, 8 (or 4) threads per 64 (32) columns; a row's
         # partial dot products are then combined with shuffles inside those lanes.
-        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
         self.threads_per_row = (64 if self.hdim_v % 64 == 0 else 32) // 8
         assert self.tile_m * self.hdim % (4 * self.num_threads) == 0
 
@@ -75,6 +74,8 @@ class FlashBwdPreSm80:
     @cute.jit
     def rowsum_dO_O(self, mO, mdO, mLSE, mLSE2, mD, seqlen: SeqlenInfo, tidx, m_block, head, batch):
         tile = (self.tile_m, self.hdim_v)
+        # Built inside the kernel: copy atoms are compile-time objects and cost nothing.
+        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
         gO = cute.local_tile(seqlen.q_rows(mO, head, batch), tile, (m_block, 0))
         gdO = cute.local_tile(seqlen.q_rows(mdO, head, batch), tile, (m_block, 0))
         thr = self.copy_O.get_slice(tidx)

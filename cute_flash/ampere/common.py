@@ -127,13 +127,17 @@ def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
 
 
 @cute.jit
-def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, s2r_B):
-    """acc += A B^T with A already in registers (P) and B from smem."""
+def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, s2r_B, prefetch: cutlass.Constexpr[bool] = True):
+    """acc += A B^T with A already in registers (P) and B from smem. ``prefetch=False`` for wide
+    B slices (large head dims): a whole extra k-slice of V^T in flight costs d/4 registers."""
     rB = s2r_B.retile(tCrB)
-    cute.copy(s2r_B, tCsB[None, None, 0], rB[None, None, 0])
     nk = cute.size(tCrA, mode=[2])
+    if cutlass.const_expr(prefetch):
+        cute.copy(s2r_B, tCsB[None, None, 0], rB[None, None, 0])
     for k in cutlass.range_constexpr(nk):
-        if cutlass.const_expr(k + 1 < nk):
+        if cutlass.const_expr(not prefetch):
+            cute.copy(s2r_B, tCsB[None, None, k], rB[None, None, k])
+        elif cutlass.const_expr(k + 1 < nk):
             cute.copy(s2r_B, tCsB[None, None, k + 1], rB[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 

@@ -26,7 +26,8 @@ def padded_offset_q(seqlen: SeqlenInfo, batch_idx: Int32, tile_m: int) -> Int32:
     """First padded row of this batch in a packed scratch buffer (0 for dense ones, where the batch
     is a separate tensor mode)."""
     if cutlass.const_expr(seqlen.varlen_q):
-        return (seqlen.offset_q + batch_idx * tile_m) // tile_m * tile_m
+        # The divisibility hint keeps 16-byte vector accesses legal on the shifted views.
+        return cute.assume((seqlen.offset_q + batch_idx * tile_m) // tile_m * tile_m, divby=tile_m)
     return Int32(0)
 
 

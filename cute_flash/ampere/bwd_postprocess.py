@@ -1,0 +1,90 @@
+"""Backward postprocess (sm80 instructions, any sm80+ GPU): dQ = softmax_scale * dQaccum in the
+input dtype.
+
+The accumulator chunk of a query block is stored in the main kernel's dQ MMA fragment order
+(element ``i`` of thread ``t`` at ``i * num_threads + t``), so this kernel runs the same number of
+threads and rebuilds the same tiled MMA: thread ``t`` reads its elements with coalesced loads,
+and the MMA's C layout says which (row, col) each one is. The tile then goes registers -> swizzled
+smem -> 16-byte row stores, like the forward's O epilogue.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cute_flash.kernels import bwd_math
+from cute_flash.kernels.seqlen import SeqlenInfo
+
+from . import common
+from .bwd import make_tiled_mmas
+
+
+class FlashBwdPostSm80:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim = cfg.hdim
+        self.tiles = cfg.tiles
+        self.tile_m, self.num_threads = cfg.tiles.tile_m, cfg.tiles.num_threads
+        self.varlen = cfg.varlen
+
+    def _storage(self, sdQ_layout):
+        @cute.struct
+        class Storage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+
+        return Storage
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+                 softmax_scale: Float32, max_seqlen_q: Int32, stream):
+        mdQaccum = common.lse_to_seq_head(mdQaccum)
+        mdQ = common.to_seq_dim_head(mdQ)
+        if cutlass.const_expr(self.varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            seqlen_q = max_seqlen_q
+        else:
+            num_batch = mdQ.shape[3]
+            seqlen_q = mdQ.shape[0]
+        Storage = self._storage(common.smem_tile(self.dtype, self.tile_m, self.hdim))
+        grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
+        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale, Storage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+               softmax_scale: Float32, Storage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, None)
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            self.convert_tile(mdQaccum, mdQ, seqlen, softmax_scale, Storage, tidx, m_block, head, batch)
+
+    @cute.jit
+    def convert_tile(self, mdQaccum, mdQ, seqlen: SeqlenInfo, softmax_scale, Storage: cutlass.Constexpr,
+                     tidx, m_block, head, batch):
+        _, _, mma_dq = make_tiled_mmas(self.dtype, self.tiles)
+        thr_mma = mma_dq.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        # Element i of this thread sits at i * num_threads + tidx: each load instruction of a warp
+        # reads 128 contiguous bytes.
+        src = cute.make_tensor(gacc.iterator + tidx, cute.make_layout(cute.size(acc), stride=self.num_threads))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = src[i]
+        rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
+        rdQ.store((acc.load() * softmax_scale).to(self.dtype))
+
+        sdQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
+                                     mma_dq).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ))
+        cute.arch.barrier()
+        gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
+        copy_dQ = common.r2g_tiled_copy(self.dtype, self.hdim, self.num_threads)
+        common.store_rows(copy_dQ, copy_dQ.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim,
+                          seqlen.seqlen_q - m_block * self.tile_m)

@@ -1,0 +1,96 @@
+"""Public attention functions. All are differentiable (autograd runs through the ``cute_flash``
+custom ops) and traceable by ``torch.compile(fullgraph=True)``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from cute_flash import ops as _ops  # noqa: F401  (registers torch.ops.cute_flash.*)
+from cute_flash import validate
+
+
+def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return softmax_scale
+
+
+def _op_args(q: torch.Tensor, softmax_scale: float | None, window_size: Sequence[int],
+             softcap: float) -> tuple[float, int, int, float]:
+    """Scalars checked here, before anything is traced or launched, and normalised to the
+    op schema's types."""
+    scale = _resolve_scale(softmax_scale, q.shape[-1])
+    validate.check_scalars(softmax_scale=scale, window_size=window_size, softcap=softcap)
+    return float(scale), int(window_size[0]), int(window_size[1]), float(softcap)
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    deterministic: bool = False, return_lse: bool = False
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention on (B, N, H, d) tensors.
+
+    q (B, Nq, H, d), k (B, Nk, Hkv, d), v (B, Nk, Hkv, dv), fp16 or bf16; H a multiple of Hkv
+    (GQA/MQA). Causal and window masks are bottom-right aligned when Nq != Nk; ``window_size`` is
+    (left, right) with -1 unbounded. ``softcap > 0`` caps the scaled scores with
+    ``softcap * tanh(s / softcap)``. ``deterministic`` makes the backward bitwise reproducible.
+
+    Returns out (B, Nq, H, dv), or (out, lse) with lse (B, H, Nq) float32 (natural log; -inf for
+    a query that sees no key, whose output is 0).
+    """
+    scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
+    out, lse = torch.ops.cute_flash.fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           deterministic: bool = False, return_lse: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention on packed variable-length sequences.
+
+    q (Tq, H, d), k (Tk, Hkv, d), v (Tk, Hkv, dv); sequence b is rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v
+    (int32, length B+1, starting at 0). ``max_seqlen_q``/``max_seqlen_k`` must be at least the
+    longest sequence. Masks are aligned per sequence. Returns out (Tq, H, dv), or (out, lse) with
+    lse (H, Tq) float32.
+    """
+    scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
+    out, lse = torch.ops.cute_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                               int(max_seqlen_k), scale, bool(causal), wl, wr, cap,
+                                               bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+              scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` semantics on (B, H, N, d) tensors
+    (no mask tensor, no dropout).
+
+    The inputs are passed to the kernel as transposed views, without copies. As in SDPA,
+    ``is_causal`` is aligned top-left when Nq != Nk (query i sees keys 0..i), unlike
+    ``flash_attn_func``'s bottom-right causal. Returns (B, H, Nq, dv).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: pass enable_gqa=True for "
+                         f"grouped-query attention")
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    nq, nk = q.shape[2], k.shape[2]
+    causal, window = False, (-1, -1)
+    if is_causal and nq <= nk:
+        # Keys past Nq are invisible to every query under a top-left mask: drop them (their
+        # gradients come back as zeros through the slice) and the rest is a square causal mask.
+        kt, vt, causal = kt[:, :nq], vt[:, :nq], True
+    elif is_causal:
+        # Nq > Nk: bottom-right window (-1, Nq - Nk) puts the diagonal at j = i.
+        window = (-1, nq - nk)
+    out = flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, window_size=window)
+    return out.transpose(1, 2)

@@ -1,0 +1,122 @@
+"""Backward pass: variant configs of the three sm80 backward kernels and the torch-side launcher.
+
+    preprocess   D = rowsum(dO * O), LSE*log2(e), zero the fp32 dQ accumulator (+ semaphores)
+    main         one CTA per (K/V block, kv head, batch): dK, dV in registers, dQ += dS K
+                 reduced into the fp32 accumulator in global memory
+    postprocess  dQ = softmax_scale * dQaccum, converted to fp16/bf16
+
+The three kernels share the query tile (``tile_m``) and the dQ MMA layout (the accumulator is
+stored in that MMA's fragment order), so the pre/post configs are derived from the main one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import cutlass
+import torch
+
+from cute_flash import jit
+from cute_flash.fwd import SUPPORTED_HDIMS, normalize_window
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """Tiling of the sm80 main backward kernel.
+
+    ``atom_sdp``: warps along the query rows of S/dP (the rest go along keys); ``atom_dkv``: warps
+    along the key rows of dK/dV; ``atom_dq``: warps along the query rows of dQ. ``stages_q`` /
+    ``stages_do``: smem buffers of Q (+LSE) and dO (+D); 2 lets the next block's loads overlap
+    this block's math, 1 saves smem for large head dims.
+    """
+
+    tile_m: int
+    tile_n: int
+    num_threads: int
+    stages_q: int
+    stages_do: int
+    atom_sdp: int
+    atom_dkv: int
+    atom_dq: int
+
+    def smem_bytes(self, hdim: int, hdim_v: int) -> int:
+        el = 2  # fp16/bf16
+        tiles = (self.tile_n * (hdim + hdim_v) + self.tile_m * (self.stages_q * hdim + self.stages_do * hdim_v)
+                 + 2 * self.tile_m * self.tile_n)
+        return el * tiles + 4 * self.tile_m * (self.stages_q + self.stages_do)
+
+
+# sm80 (A100: 163 KB of smem per CTA) tiles per max(hdim, hdim_v), 8 warps each; chosen so that
+# no variant spills registers (tests/test_compile_sm80_bwd.py checks every one of them).
+SM80_BWD_TILES: dict[int, BwdTiles] = {
+    32: BwdTiles(128, 128, 256, 2, 2, 4, 4, 4),
+    64: BwdTiles(128, 128, 256, 2, 1, 4, 4, 4),
+    96: BwdTiles(64, 128, 256, 2, 2, 2, 4, 4),
+    128: BwdTiles(64, 128, 256, 2, 1, 2, 4, 2),
+    160: BwdTiles(64, 64, 256, 2, 2, 4, 4, 4),
+    192: BwdTiles(64, 64, 256, 2, 1, 4, 2, 2),
+    256: BwdTiles(64, 64, 256, 1, 1, 4, 2, 2),
+}
+
+SM80_SMEM_BYTES = 166912  # cudaDevAttrMaxSharedMemoryPerBlockOptin on A100
+
+
+def bwd_tiles(hdim: int, hdim_v: int) -> BwdTiles:
+    return SM80_BWD_TILES[max(hdim, hdim_v)]
+
+
+def _scratch_fakes(varlen: bool, h, b, with_sem: bool):
+    """Fake fp32 scratch tensors (LSE2, D, dQaccum, semaphores); see ``_alloc_scratch``."""
+    f32 = cutlass.Float32
+    if varlen:
+        tpad, tpad_d, nblk = jit.sym(), jit.sym(), jit.sym()
+        lse2 = jit.fake_tensor(f32, (h, tpad), divisibility=4)
+        d = jit.fake_tensor(f32, (h, tpad), divisibility=4)
+        dq_acc = jit.fake_tensor(f32, (h, tpad_d), divisibility=4)
+        sem = jit.fake_tensor(cutlass.Int32, (h, nblk), divisibility=1) if with_sem else None
+    else:
+        npad, npad_d, nblk = jit.sym(), jit.sym(), jit.sym()
+        lse2 = jit.fake_tensor(f32, (b, h, npad), divisibility=4)
+        d = jit.fake_tensor(f32, (b, h, npad), divisibility=4)
+        dq_acc = jit.fake_tensor(f32, (b, h, npad_d), divisibility=4)
+        sem = jit.fake_tensor(cutlass.Int32, (b, h, nblk), divisibility=1) if with_sem else None
+    return lse2, d, dq_acc, sem
+
+
+@dataclass(frozen=True)
+class BwdPreConfig(jit.KernelConfig):
+    """D = rowsum(dO*O), LSE*log2e, zeroed dQ accumulator (+ semaphores when deterministic)."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    hdim_v: int = 128
+    tile_m: int = 64
+    varlen: bool = False
+    deterministic: bool = False
+
+    kernel_name = "bwd_pre_sm80"
+
+    def build(self):
+        from cute_flash.ampere.bwd_preprocess import FlashBwdPreSm80
+
+        return FlashBwdPreSm80(self)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        h = jit.sym()
+        if self.varlen:
+            tq, b1 = jit.sym(), jit.sym()
+            o = jit.fake_tensor(dt, (tq, h, self.hdim_v), divisibility=div)
+            do = jit.fake_tensor(dt, (tq, h, self.hdim_v), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
+            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            b = None
+        else:
+            b, nq = jit.sym(), jit.sym()
+            o = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=div)
+            do = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
+            cu_q = None
+        lse2, d, dq_acc, sem = _scratch_fakes(self.varlen, h, b, self.deterministic)
+        return (o, do, lse, lse2, d, dq_acc, sem, cu_q, cutlass.Int32(0), jit.fake_stream())
