@@ -56,7 +56,8 @@ def _compile_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     reports = ins.inspect_many(variants, workers=args.workers)
     wall = time.perf_counter() - t0
-    print()
+    print("\nInstruction mix (static counts per kernel; lower-case columns PTX, upper-case SASS; spill/local "
+          "in bytes per thread; smem = static + dynamic):\n")
     print(ins.mix_table(reports))
     failed = [r for r in reports if "error" in r]
     spilled = [r for r in reports if "error" not in r and (r["spill_bytes"] or r["local_bytes"])]

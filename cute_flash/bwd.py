@@ -24,38 +24,37 @@ from cute_flash.fwd import SUPPORTED_HDIMS, normalize_window
 class BwdTiles:
     """Tiling of the sm80 main backward kernel.
 
+    ``stages``: smem buffers of Q (+LSE2) and dO (+D); 2 lets the next query block's loads
+    overlap all of this block's math, 1 (large head dims, for smem) overlaps them with part of it.
     ``atom_sdp``: warps along the query rows of S/dP (the rest go along keys); ``atom_dkv``: warps
-    along the key rows of dK/dV; ``atom_dq``: warps along the query rows of dQ. ``stages_q`` /
-    ``stages_do``: smem buffers of Q (+LSE) and dO (+D); 2 lets the next block's loads overlap
-    this block's math, 1 saves smem for large head dims.
+    along the key rows of dK/dV; ``atom_dq``: warps along the query rows of dQ.
     """
 
     tile_m: int
     tile_n: int
     num_threads: int
-    stages_q: int
-    stages_do: int
+    stages: int
     atom_sdp: int
     atom_dkv: int
     atom_dq: int
 
     def smem_bytes(self, hdim: int, hdim_v: int) -> int:
         el = 2  # fp16/bf16
-        tiles = (self.tile_n * (hdim + hdim_v) + self.tile_m * (self.stages_q * hdim + self.stages_do * hdim_v)
+        tiles = (self.tile_n * (hdim + hdim_v) + self.stages * self.tile_m * (hdim + hdim_v)
                  + 2 * self.tile_m * self.tile_n)
-        return el * tiles + 4 * self.tile_m * (self.stages_q + self.stages_do)
+        return el * tiles + 2 * 4 * self.tile_m * self.stages
 
 
 # sm80 (A100: 163 KB of smem per CTA) tiles per max(hdim, hdim_v), 8 warps each; chosen so that
 # no variant spills registers (tests/test_compile_sm80_bwd.py checks every one of them).
 SM80_BWD_TILES: dict[int, BwdTiles] = {
-    32: BwdTiles(128, 128, 256, 2, 2, 4, 4, 4),
-    64: BwdTiles(128, 128, 256, 2, 1, 4, 4, 4),
-    96: BwdTiles(64, 128, 256, 2, 2, 2, 4, 4),
-    128: BwdTiles(64, 128, 256, 2, 1, 2, 4, 2),
-    160: BwdTiles(64, 64, 256, 2, 2, 4, 4, 4),
-    192: BwdTiles(64, 64, 256, 2, 1, 4, 2, 2),
-    256: BwdTiles(64, 64, 256, 1, 1, 4, 2, 2),
+    32: BwdTiles(128, 128, 256, 2, 4, 4, 4),
+    64: BwdTiles(128, 128, 256, 2, 4, 4, 4),
+    96: BwdTiles(64, 128, 256, 2, 2, 4, 4),
+    128: BwdTiles(64, 128, 256, 2, 2, 4, 2),
+    160: BwdTiles(64, 64, 256, 2, 4, 4, 4),
+    192: BwdTiles(64, 64, 256, 2, 4, 2, 2),
+    256: BwdTiles(64, 64, 256, 1, 4, 2, 2),
 }
 
 SM80_SMEM_BYTES = 166912  # cudaDevAttrMaxSharedMemoryPerBlockOptin on A100
@@ -120,3 +119,100 @@ class BwdPreConfig(jit.KernelConfig):
             cu_q = None
         lse2, d, dq_acc, sem = _scratch_fakes(self.varlen, h, b, self.deterministic)
         return (o, do, lse, lse2, d, dq_acc, sem, cu_q, cutlass.Int32(0), jit.fake_stream())
+
+
+@dataclass(frozen=True)
+class BwdConfig(jit.KernelConfig):
+    """One sm80 main-backward variant. Sequence lengths, batch, heads and the GQA ratio are run-time
+    values; everything here is baked into the compiled code."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    hdim_v: int = 128
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    deterministic: bool = False
+    tiles: BwdTiles | None = field(default=None)
+
+    kernel_name = "bwd_sm80"
+
+    def __post_init__(self) -> None:
+        if self.tiles is None:
+            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v))
+
+    def build(self):
+        from cute_flash.ampere.bwd import FlashBwdSm80
+
+        return FlashBwdSm80(self)
+
+    def pre(self) -> BwdPreConfig:
+        return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
+                            tile_m=self.tiles.tile_m, varlen=self.varlen, deterministic=self.deterministic)
+
+    def post(self) -> BwdPostConfig:
+        return BwdPostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, varlen=self.varlen,
+                             tiles=self.tiles)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
+        if self.varlen:
+            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
+            q_shape, k_shape = (lambda x: (tq, h, x)), (lambda x: (tk, hkv, x))
+            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            b = None
+        else:
+            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+            q_shape, k_shape = (lambda x: (b, nq, h, x)), (lambda x: (b, nk, hkv, x))
+            cu_q = cu_k = None
+        q = jit.fake_tensor(dt, q_shape(d), divisibility=div)
+        k = jit.fake_tensor(dt, k_shape(d), divisibility=div)
+        v = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
+        do = jit.fake_tensor(dt, q_shape(dv), divisibility=div)
+        dk = jit.fake_tensor(dt, k_shape(d), divisibility=div)
+        dvv = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
+        lse2, dsum, dq_acc, sem = _scratch_fakes(self.varlen, h, b, self.deterministic)
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, jit.fake_stream())
+
+
+@dataclass(frozen=True)
+class BwdPostConfig(jit.KernelConfig):
+    """dQ = scale * dQaccum -> fp16/bf16. Shares ``tiles`` with its main kernel (fragment order)."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    varlen: bool = False
+    tiles: BwdTiles | None = field(default=None)
+
+    kernel_name = "bwd_post_sm80"
+
+    def __post_init__(self) -> None:
+        if self.tiles is None:
+            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim))
+
+    def build(self):
+        from cute_flash.ampere.bwd_postprocess import FlashBwdPostSm80
+
+        return FlashBwdPostSm80(self)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        h = jit.sym()
+        if self.varlen:
+            tq, b1 = jit.sym(), jit.sym()
+            dq = jit.fake_tensor(dt, (tq, h, self.hdim), divisibility=div)
+            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            b = None
+        else:
+            b, nq = jit.sym(), jit.sym()
+            dq = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div)
+            cu_q = None
+        _, _, dq_acc, _ = _scratch_fakes(self.varlen, h, b, False)
+        return (dq_acc, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(0), jit.fake_stream())

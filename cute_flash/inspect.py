@@ -305,14 +305,11 @@ def count_sass(opcodes: Iterable[str]) -> tuple[dict[str, int], dict[str, int]]:
     return counts, dict(hist.most_common())
 
 
-def resource_usage(cubin_path: str) -> dict[str, dict[str, int]]:
-    """``cuobjdump -res-usage``: per function REG, STACK, SHARED (static), LOCAL, ..."""
-    out = _run_tool("cuobjdump", ["-res-usage", cubin_path])
+def parse_res_usage(text: str) -> dict[str, dict[str, int]]:
+    """Parse ``cuobjdump -res-usage``: per function REG, STACK, SHARED (static), LOCAL, ..."""
     res: dict[str, dict[str, int]] = {}
-    if out is None:
-        return res
     name = None
-    for line in out.splitlines():
+    for line in text.splitlines():
         m = re.match(r"^\s*Function\s+([^\s:]+)\s*:", line)
         if m:
             name = m.group(1)
@@ -321,6 +318,12 @@ def resource_usage(cubin_path: str) -> dict[str, dict[str, int]]:
             res[name] = {k: int(v) for k, v in re.findall(r"(\w+(?:\[\d+\])?):(\d+)", line)}
             name = None
     return res
+
+
+def resource_usage(cubin_path: str) -> dict[str, dict[str, int]]:
+    """``cuobjdump -res-usage`` of a cubin, parsed; empty without cuobjdump."""
+    out = _run_tool("cuobjdump", ["-res-usage", cubin_path])
+    return parse_res_usage(out) if out else {}
 
 
 def parse_ptxas_remarks(log: str) -> dict[str, dict[str, int]]:
@@ -431,7 +434,8 @@ def compile_config(cfg: jit.KernelConfig) -> Compiled:
     import cutlass.cute as cute
 
     with tempfile.TemporaryDirectory(prefix="cute_flash_inspect_") as tmp:
-        opts = f"{jit._options(cfg, keep=True)} --dump-dir {tmp} remarks{{ptx}}"
+        # jit's own options (target, TVM-FFI) without its keep/dump flags, then ours.
+        opts = f"{jit._options(cfg, keep=False)} --keep-ptx --keep-cubin --dump-dir {tmp} remarks{{ptx}}"
         obj = cfg.build()
         args = cfg.fake_args()
         err = io.StringIO()
@@ -629,9 +633,14 @@ def inspect_many(variants: Sequence[Variant], workers: int | None = None) -> lis
 # ---------------------------------------------------------------------------------------------
 # Text output
 # ---------------------------------------------------------------------------------------------
-_TABLE_PTX = ("mma.sync", "wgmma.mma_async", "ldmatrix", "cp.async", "cp.async.bulk.tensor", "mbarrier",
-              "setmaxnreg", "bar.sync", "ex2.approx", "red.global.add", "shfl.sync", "ld.global", "st.global")
-_TABLE_SASS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "MUFU.EX2", "RED", "BAR", "LDL", "STL")
+# (column header, key) of the instruction-mix table; PTX counts in lower case, SASS in upper case.
+_TABLE_PTX = (("mma", "mma.sync"), ("wgmma", "wgmma.mma_async"), ("ldmatrix", "ldmatrix"),
+              ("cp.async", "cp.async"), ("tma", "cp.async.bulk.tensor"), ("mbar", "mbarrier"),
+              ("maxnreg", "setmaxnreg"), ("bar.sync", "bar.sync"), ("ex2", "ex2.approx"),
+              ("red", "red.global.add"), ("shfl", "shfl.sync"), ("ld.g", "ld.global"), ("st.g", "st.global"))
+_TABLE_SASS = (("HMMA", "HMMA"), ("HGMMA", "HGMMA"), ("LDSM", "LDSM"), ("LDGSTS", "LDGSTS"),
+               ("UTMALDG", "UTMALDG"), ("EX2", "MUFU.EX2"), ("RED", "RED"), ("BAR", "BAR"), ("LDL", "LDL"),
+               ("STL", "STL"))
 
 
 def _fmt(v: Any) -> str:
@@ -643,9 +652,10 @@ def _fmt(v: Any) -> str:
 
 
 def mix_table(reports: Sequence[dict[str, Any]]) -> str:
-    """Markdown table, one row per kernel function of each report (error rows keep their place)."""
+    """Markdown table, one row per kernel function of each report (error rows keep their place).
+    Lower-case instruction columns are PTX counts, upper-case ones SASS counts (static, per kernel)."""
     head = ["variant", "kernel", "regs", "spill", "local", "smem KiB", "thr", "compile s",
-            *[f"ptx {k}" for k in _TABLE_PTX], *[f"sass {k}" for k in _TABLE_SASS]]
+            *[h for h, _ in _TABLE_PTX], *[h for h, _ in _TABLE_SASS]]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rep in reports:
         if "error" in rep:
@@ -658,8 +668,8 @@ def mix_table(reports: Sequence[dict[str, Any]]) -> str:
             cells = [v.label(), k["name"], _fmt(k["registers"]), _fmt(k["spill_bytes"]),
                      _fmt(k["local_bytes"]), "-" if smem is None else f"{smem / 1024:.1f}",
                      _fmt(k["threads"]), f"{k['compile_s']:.1f}",
-                     *[_fmt(k["ptx"].get(p)) for p in _TABLE_PTX],
-                     *[_fmt(k["sass"].get(s)) for s in _TABLE_SASS]]
+                     *[_fmt(k["ptx"].get(p)) for _, p in _TABLE_PTX],
+                     *[_fmt(k["sass"].get(s)) for _, s in _TABLE_SASS]]
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -731,4 +741,4 @@ def main(args: Any) -> int:
 
 __all__ = ["Variant", "register_family", "configs_for", "inspect_variant", "inspect_many", "mix_table",
            "format_report", "compile_config", "report_config", "ptx_opcodes", "count_ptx", "sass_opcodes",
-           "count_sass", "resource_usage", "parse_ptxas_remarks", "dynamic_smem_from_ir"]
+           "count_sass", "resource_usage", "parse_res_usage", "parse_ptxas_remarks", "dynamic_smem_from_ir"]

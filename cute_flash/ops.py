@@ -287,40 +287,30 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Ten
         return torch.ops.cute_flash.varlen_bwd(do, q, k, v_, out_, lse, cu_q, cu_k, *ctx.varlen, scale,
                                                causal, wl, wr, softcap, deterministic)
 
-    def run_fwd_op(v_: Tensor) -> Tensor:
-        if ctx.varlen is None:
-            return torch.ops.cute_flash.fwd(q, k, v_, scale, causal, wl, wr, softcap)[0]
-        return torch.ops.cute_flash.varlen_fwd(q, k, v_, cu_q, cu_k, *ctx.varlen, scale, causal, wl, wr,
-                                               softcap)[0]
-
     dq = dk = dv = None
     if dout is not None:
         dq, dk, dv = run_bwd_op(kernel_ready(dout), v, out)
     if dlse is not None:
-        dq_l, dk_l = _lse_grads(dlse, q, k, scale, softcap, run_fwd_op, run_bwd_op,
-                                varlen=ctx.varlen is not None)
-        # Sum in fp32 and round once.
-        dq = (dq_l if dq is None else dq.float() + dq_l).to(q.dtype)
-        dk = (dk_l if dk is None else dk.float() + dk_l).to(k.dtype)
+        dq_l, dk_l = _lse_grads(dlse, q, v, run_bwd_op, varlen=ctx.varlen is not None)
+        dq = dq_l if dq is None else (dq.float() + dq_l.float()).to(q.dtype)
+        dk = dk_l if dk is None else (dk.float() + dk_l.float()).to(k.dtype)
     return dq, dk, dv
 
 
-def _lse_grads(dlse: Tensor, q: Tensor, k: Tensor, scale: float, softcap: float, run_fwd_op, run_bwd_op,
-               varlen: bool) -> tuple[Tensor, Tensor]:
-    """dq, dk contributions (fp32) of a gradient on the LSE, from the attention ops themselves.
+def _lse_grads(dlse: Tensor, q: Tensor, v: Tensor, run_bwd_op, varlen: bool) -> tuple[Tensor, Tensor]:
+    """dq, dk contributions of a gradient on the LSE, from one more backward-op call.
 
-    d lse_i / d s_ij = P_ij, so with x the unscaled scores, dq_i = scale * dlse_i * sum_j P_ij k_j:
-    an attention forward with v := k. Likewise dk_j = scale * sum_i P_ij dlse_i q_i is the dv of a
-    backward with dout := dlse * q, v := k, and out := 0 (which zeroes its rowsum(dO * O) term).
+    d lse_i / d s_ij = P_ij, so the LSE adds P_ij * dlse_i to dS_ij. The backward op computes
+    dS = P * (dO V^T - rowsum(dO * O)) (times the softcap factor). Feeding it V' = ones,
+    dO' = dlse in column 0 and zeros elsewhere, and O' = 0 makes dO' V'^T = dlse_i for every j and
+    the rowsum 0, so its dq and dk are exactly the LSE's contributions, softcap and masks included.
+    Its dv is meaningless and dropped.
     """
-    if softcap > 0.0:
-        raise NotImplementedError("the gradient of lse is not supported with softcap > 0 (the kernels "
-                                  "have no input for the softcap's chain-rule factor on that path)")
-    # dlse (B, H, Nq) -> (B, Nq, H, 1) or (H, Tq) -> (Tq, H, 1), to broadcast against q.
-    g = (dlse.t() if varlen else dlse.transpose(1, 2)).unsqueeze(-1).float()
-    dq = scale * g * run_fwd_op(k).float()
-    dout_l = kernel_ready((g * q.float()).to(q.dtype))
-    dk = scale * run_bwd_op(dout_l, k, torch.zeros_like(dout_l))[2].float()
+    g = dlse.t() if varlen else dlse.transpose(1, 2)  # (.., Nq, H), like q without its head dim
+    dout_l = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    dout_l[..., 0] = g
+    # V' with v's head dim, so this reuses the compiled variant of the main backward.
+    dq, dk, _ = run_bwd_op(dout_l, torch.ones_like(v), torch.zeros_like(dout_l))
     return dq, dk
 
 

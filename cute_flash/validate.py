@@ -92,8 +92,10 @@ def _as_float(x: object) -> float | None:
 
 
 def check_scalars(*, softmax_scale: float, window_size: Sequence[int], softcap: float) -> None:
+    # Chained comparisons rather than math.isfinite: they also reject NaN, and they stay
+    # traceable when torch.compile turns the float into a symbolic one.
     scale = _as_float(softmax_scale)
-    if scale is None or not math.isfinite(scale) or scale <= 0:
+    if scale is None or not (0 < scale < math.inf):
         raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
     if not isinstance(window_size, Sequence) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
@@ -107,7 +109,7 @@ def check_scalars(*, softmax_scale: float, window_size: Sequence[int], softcap: 
         if w_int < -1:
             raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w_int}")
     cap = _as_float(softcap)
-    if cap is None or not math.isfinite(cap) or cap < 0:
+    if cap is None or not (0 <= cap < math.inf):
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
 
 
@@ -195,7 +197,8 @@ def check_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
     check_scalars(softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
     if varlen:
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            # SymInt: a traced int under torch.compile(dynamic=True)
+            if m is not None and (isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0):
                 raise ValueError(f"{name} must be a non-negative int, got {m!r}")
         _check_cu_seqlens_meta(cu_seqlens_q, cu_seqlens_k)
         if check_data and q.device.type != "meta":

@@ -3,7 +3,10 @@ fresh random inputs whose seed is printed (shown by pytest when the test fails).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -26,3 +29,19 @@ def seed() -> int:
     torch.manual_seed(s)
     print(f"seed={s}  (replay: CUTE_FLASH_SEED={s})")
     return s
+
+
+@pytest.fixture
+def fake_launchers(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Stand-in kernel modules (``cute_flash.fwd``/``cute_flash.bwd``) that record their calls, and
+    a no-op ``torch.cuda.device``, so the CUDA implementations of the ops run with CPU tensors and
+    their side of the launcher interface can be checked without a GPU."""
+    calls: list = []
+    fwd_mod = types.ModuleType("cute_flash.fwd")
+    bwd_mod = types.ModuleType("cute_flash.bwd")
+    fwd_mod.run_fwd = lambda *a, **kw: calls.append(("fwd", a, kw))
+    bwd_mod.run_bwd = lambda *a, **kw: calls.append(("bwd", a, kw))
+    monkeypatch.setitem(sys.modules, "cute_flash.fwd", fwd_mod)
+    monkeypatch.setitem(sys.modules, "cute_flash.bwd", bwd_mod)
+    monkeypatch.setattr(torch.cuda, "device", lambda _dev: contextlib.nullcontext())
+    return calls

@@ -8,8 +8,6 @@ and the MMA's C layout says which (row, col) each one is. The tile then goes reg
 smem -> 16-byte row stores, like the forward's O epilogue.
 """
 
-from __future__ import annotations
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32

@@ -112,15 +112,21 @@ def store_rows(tiled_copy, thr_copy, sT: cute.Tensor, gT: cute.Tensor, rows: int
 
 
 @cute.jit
-def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
+def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B,
+            prefetch: cutlass.Constexpr[bool] = True):
     """acc += A B^T with both operands in smem: ldmatrix of k-slice k+1 is issued before the
-    MMAs of slice k so shared-memory latency hides behind the tensor cores."""
+    MMAs of slice k so shared-memory latency hides behind the tensor cores (``prefetch``; off
+    when the registers for a second slice are not there)."""
     rA, rB = s2r_A.retile(tCrA), s2r_B.retile(tCrB)
-    cute.copy(s2r_A, tCsA[None, None, 0], rA[None, None, 0])
-    cute.copy(s2r_B, tCsB[None, None, 0], rB[None, None, 0])
     nk = cute.size(tCsA, mode=[2])
+    if cutlass.const_expr(prefetch):
+        cute.copy(s2r_A, tCsA[None, None, 0], rA[None, None, 0])
+        cute.copy(s2r_B, tCsB[None, None, 0], rB[None, None, 0])
     for k in cutlass.range_constexpr(nk):
-        if cutlass.const_expr(k + 1 < nk):
+        if cutlass.const_expr(not prefetch):
+            cute.copy(s2r_A, tCsA[None, None, k], rA[None, None, k])
+            cute.copy(s2r_B, tCsB[None, None, k], rB[None, None, k])
+        elif cutlass.const_expr(k + 1 < nk):
             cute.copy(s2r_A, tCsA[None, None, k + 1], rA[None, None, k + 1])
             cute.copy(s2r_B, tCsB[None, None, k + 1], rB[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)

@@ -32,6 +32,7 @@ class FlashFwdSm80:
         self.tile_m, self.tile_n, self.num_threads, self.num_stages = cfg.tiles
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+        self.prefetch = True
 
     # ------------------------------------------------------------------------------------------
     # Host side: layouts, copies, MMAs, launch
@@ -220,7 +221,8 @@ class FlashFwdSm80:
         self.load_V(ctx, n_block, partial)
         cute.arch.cp_async_commit_group()
 
-        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK, ctx.s2r_Q, ctx.s2r_K)
+        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK, ctx.s2r_Q, ctx.s2r_K,
+                       prefetch=self.prefetch)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
@@ -240,7 +242,8 @@ class FlashFwdSm80:
         if n_block > ctx.n_block_min:
             self.load_K(ctx, n_block - 1, partial=False)
         cute.arch.cp_async_commit_group()
-        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt, ctx.s2r_V)
+        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt, ctx.s2r_V,
+                       prefetch=self.prefetch)
 
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):

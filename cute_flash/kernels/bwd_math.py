@@ -111,7 +111,7 @@ class BwdMaskBounds:
 def red_add_f32(ptr: cute.Pointer, val: Float32):
     """Fire-and-forget fp32 add performed at L2 (``red.global.add.f32``): no return value, so the
     warp does not wait for the round trip the way ``atom`` would."""
-    cute.arch.red(ptr, val, op="add", dtype="f32")
+    cute.arch.red(ptr, val, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
 
 @cute.jit

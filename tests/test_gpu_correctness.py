@@ -1,0 +1,426 @@
+"""Kernel correctness on a CUDA GPU (every test here is marked ``gpu`` and skipped without one).
+
+The accuracy rule, per output (out, lse, dq, dk, dv):
+
+    max|ours - ref| <= 2 * max|same_dtype - ref| + floor
+
+where ``ref`` is ``attention_ref`` in fp32 and ``same_dtype`` is the same PyTorch code run in the
+inputs' dtype (``upcast=False``): the kernels may be at most twice as wrong as the obvious
+PyTorch implementation at the same precision, plus a rounding floor.
+
+Grid: the full product dtype x head dim x causal (the axes that select most code), then a fixed,
+balanced sample over windows, softcap, GQA ratio, sequence lengths (1 .. 4224, Nq != Nk), value
+head dims and memory layouts, in which every value of every axis appears several times; varlen,
+fully-masked rows, NaN-poisoned outputs, determinism and torch.compile have tests of their own.
+Compiling the kernel variants dominates the run time; inputs are fresh random numbers each run
+(the seed is printed; ``CUTE_FLASH_SEED`` replays it).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.reference import attention_ref, visible_mask
+
+pytestmark = pytest.mark.gpu
+
+FP16, BF16 = torch.float16, torch.bfloat16
+DTYPES = (FP16, BF16)
+HDIMS = (32, 64, 96, 128, 160, 192, 256)
+FLOOR_FWD = 1e-5  # out, lse
+FLOOR_BWD = 1e-4  # dq, dk, dv
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32_reference():
+    """TF32 would make the fp32 reference itself only ~10 bits accurate."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype = BF16
+    hdim: int = 128
+    hdim_v: int | None = None
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    heads: tuple[int, int] = (4, 4)  # (H, Hkv)
+    nq: int = 128
+    nk: int = 128
+    layout: str = "bnhd"  # bnhd (contiguous) | bhnd (SDPA layout, transposed view) | padded (row stride > d)
+
+    @property
+    def dv(self) -> int:
+        return self.hdim if self.hdim_v is None else self.hdim_v
+
+    @property
+    def batch(self) -> int:
+        return 2 if max(self.nq, self.nk) <= 1000 else 1
+
+    def kwargs(self) -> dict:
+        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap)
+
+    def __str__(self) -> str:
+        dt = "fp16" if self.dtype == FP16 else "bf16"
+        parts = [f"{dt}-d{self.hdim}" + (f"v{self.dv}" if self.dv != self.hdim else "")]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]},{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        parts += [f"h{self.heads[0]}:{self.heads[1]}", f"{self.nq}x{self.nk}", self.layout]
+        return "-".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """Random normal tensor of logical shape (B, N, H, d) or (T, H, d), laid out as asked."""
+    if layout == "bhnd" and len(shape) == 4:
+        b, n, h, d = shape
+        return torch.randn(b, h, n, d, dtype=dtype, device="cuda").transpose(1, 2)
+    if layout == "padded":
+        return torch.randn(*shape[:-1], shape[-1] + 8, dtype=dtype, device="cuda")[..., :shape[-1]]
+    return torch.randn(*shape, dtype=dtype, device="cuda")
+
+
+def make_qkv(c: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, hkv = c.heads
+    return (make_tensor((c.batch, c.nq, h, c.hdim), c.dtype, c.layout),
+            make_tensor((c.batch, c.nk, hkv, c.hdim), c.dtype, c.layout),
+            make_tensor((c.batch, c.nk, hkv, c.dv), c.dtype, c.layout))
+
+
+def leaves(tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isneginf(lse), 0.0, lse.float())
+
+
+def assert_rule(name: str, ours: torch.Tensor, ref: torch.Tensor, same: torch.Tensor, floor: float,
+                seed: int, case: object) -> None:
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(ours).any(), f"{name}: NaN in ours [{case}] seed={seed}"
+    e_ours, e_same = max_err(ours, ref), max_err(same, ref)
+    assert e_ours <= 2 * e_same + floor, (f"{name}: max error {e_ours:.3e} > 2 x {e_same:.3e} (same-dtype "
+                                          f"PyTorch) + {floor:g} [{case}] seed={seed}")
+
+
+def assert_lse_rule(ours, ref, same, seed, case) -> None:
+    same_rows = torch.equal(torch.isneginf(ours), torch.isneginf(ref))
+    assert same_rows, f"lse: -inf rows differ [{case}] seed={seed}"
+    assert_rule("lse", finite_lse(ours), finite_lse(ref), finite_lse(same), FLOOR_FWD, seed, case)
+
+
+def fwd_bwd(fn, q, k, v, dout, **kw):
+    """out, lse and (dq, dk, dv) of ``fn`` for the loss <out, dout>."""
+    q, k, v = leaves((q, k, v))
+    out, lse = fn(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), lse.detach(), grads
+
+
+def ours_fn(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
+    if cu_seqlens_q is None:
+        return cute_flash.flash_attn_func(q, k, v, return_lse=True, **kw)
+    return cute_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             return_lse=True, **kw)
+
+
+def ref_fn(upcast: bool):
+    def fn(q, k, v, max_seqlen_q=None, max_seqlen_k=None, **kw):
+        return attention_ref(q, k, v, upcast=upcast, **kw)
+    return fn
+
+
+def check_against_rule(q, k, v, seed, case, **kw) -> None:
+    """Forward and backward of ours vs the fp32 reference, bounded by the same-dtype PyTorch."""
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    out, lse, grads = fwd_bwd(ours_fn, q, k, v, dout, **kw)
+    r_out, r_lse, r_grads = fwd_bwd(ref_fn(True), *(t.float() for t in (q, k, v)), dout.float(), **kw)
+    s_out, s_lse, s_grads = fwd_bwd(ref_fn(False), q, k, v, dout, **kw)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, case)
+    assert_lse_rule(lse, r_lse, s_lse, seed, case)
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, r_grads, s_grads, strict=True):
+        assert g.dtype == q.dtype
+        assert_rule(name, g, r, s, FLOOR_BWD, seed, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense grids
+# ---------------------------------------------------------------------------------------------
+CORE_SHAPES = [(113, 113), (1000, 1000), (17, 113), (113, 17), (1, 1000), (1000, 1)]
+
+
+def core_cases() -> list[Case]:
+    """Full product dtype x head dim x causal; shapes and GQA ratios rotate across it."""
+    cases = []
+    product = [(dt, d, c) for dt in DTYPES for d in HDIMS for c in (False, True)]
+    for i, (dtype, hdim, causal) in enumerate(product):
+        nq, nk = CORE_SHAPES[i % len(CORE_SHAPES)]
+        heads = ((4, 4), (8, 2))[i // len(CORE_SHAPES) % 2]
+        cases.append(Case(dtype=dtype, hdim=hdim, causal=causal, heads=heads, nq=nq, nk=nk))
+    return cases
+
+
+def sampled_cases(n: int = 30, seed: int = 2024) -> list[Case]:
+    """A fixed, balanced sample: each axis' values are repeated to length n and shuffled
+    independently, so every value appears ~n/len times in varied company. The sample is the
+    same every run (stable test ids); the tensors are not."""
+    rng = random.Random(seed)
+    axes = {
+        "dtype": DTYPES,
+        "hdim": HDIMS,
+        "causal": (False, True),
+        "window": ((-1, -1), (64, 32), (-1, 0), (0, 0), (128, -1), (-1, 64), (256, 0)),
+        "softcap": (0.0, 30.0),
+        "heads": ((4, 4), (8, 2), (6, 1)),  # 1:1, 4:1, all:1
+        "shape": ((1, 1), (1, 4224), (17, 17), (17, 1000), (113, 1000), (1000, 113), (1000, 1000),
+                  (4224, 4224), (128, 4224), (4224, 17)),
+        "layout": ("bnhd", "bhnd", "padded"),
+    }
+    columns = {}
+    for name, values in axes.items():
+        col = [values[i % len(values)] for i in range(n)]
+        rng.shuffle(col)
+        columns[name] = col
+    cases = []
+    for i in range(n):
+        row = {name: col[i] for name, col in columns.items()}
+        nq, nk = row.pop("shape")
+        cases.append(Case(nq=nq, nk=nk, **row))
+    return cases
+
+
+@pytest.mark.parametrize("case", core_cases(), ids=str)
+def test_dtype_hdim_causal_grid_within_twice_pytorch_error(seed, case):
+    check_against_rule(*make_qkv(case), seed, case, **case.kwargs())
+
+
+@pytest.mark.parametrize("case", sampled_cases(), ids=str)
+def test_sampled_feature_combinations_within_twice_pytorch_error(seed, case):
+    check_against_rule(*make_qkv(case), seed, case, **case.kwargs())
+
+
+@pytest.mark.parametrize("case", [
+    Case(hdim=192, hdim_v=128, causal=True, nq=1000, nk=1000),
+    Case(dtype=FP16, hdim=128, hdim_v=64, heads=(8, 2), nq=113, nk=1000),
+    Case(hdim=64, hdim_v=256, window=(64, 32), nq=1000, nk=113, layout="bhnd"),
+], ids=str)
+def test_value_head_dim_different_from_qk_head_dim(seed, case):
+    check_against_rule(*make_qkv(case), seed, case, **case.kwargs())
+
+
+@pytest.mark.parametrize("case", [
+    Case(causal=True, nq=1000, nk=113),  # Nq > Nk causal: the first 887 queries see nothing
+    Case(dtype=FP16, hdim=64, window=(0, 0), nq=300, nk=17, heads=(8, 2)),  # diagonal past the keys
+    Case(hdim=256, window=(16, -1), nq=17, nk=1000),  # no query reaches the first keys
+], ids=str)
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads(seed, case):
+    q, k, v = make_qkv(case)
+    mask = visible_mask(case.nq, case.nk, causal=case.causal, window_size=case.window, device="cuda")
+    dead_rows, dead_keys = ~mask.any(dim=1), ~mask.any(dim=0)
+    dout = torch.randn(*q.shape[:-1], case.dv, dtype=q.dtype, device="cuda")
+    out, lse, grads = fwd_bwd(ours_fn, q, k, v, dout, **case.kwargs())
+    assert torch.all(out[:, dead_rows] == 0)
+    assert torch.all(lse[:, :, dead_rows] == NEG_INF)
+    assert torch.isfinite(lse[:, :, ~dead_rows]).all()
+    for g in grads:
+        assert torch.isfinite(g).all()
+    assert torch.all(grads[0][:, dead_rows] == 0)
+    assert torch.all(grads[1][:, dead_keys] == 0) and torch.all(grads[2][:, dead_keys] == 0)
+    check_against_rule(q, k, v, seed, case, **case.kwargs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen
+# ---------------------------------------------------------------------------------------------
+def random_lengths(batch: int, max_len: int, rng: random.Random) -> list[int]:
+    """Random lengths that always include an empty and a one-token sequence."""
+    lens = [0, 1] + [rng.randint(0, max_len) for _ in range(batch - 2)]
+    rng.shuffle(lens)
+    return lens
+
+
+def cu_seqlens(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("case", [
+    Case(dtype=BF16, hdim=128, causal=True, heads=(8, 2), nq=300, nk=300),
+    Case(dtype=FP16, hdim=64, nq=1000, nk=500, layout="padded"),
+    Case(dtype=BF16, hdim=256, window=(64, 32), softcap=30.0, heads=(6, 1), nq=200, nk=600),
+    Case(dtype=FP16, hdim=96, causal=True, window=(128, -1), nq=700, nk=200),
+    Case(dtype=BF16, hdim=32, causal=True, heads=(4, 4), nq=1, nk=1000),
+], ids=str)
+def test_varlen_random_lengths_within_twice_pytorch_error(seed, case):
+    rng = random.Random(seed)
+    batch = 6
+    lens_q = random_lengths(batch, case.nq, rng)
+    lens_k = lens_q if case.nq == case.nk else random_lengths(batch, case.nk, rng)
+    h, hkv = case.heads
+    q = make_tensor((sum(lens_q), h, case.hdim), case.dtype, case.layout)
+    k = make_tensor((sum(lens_k), hkv, case.hdim), case.dtype, case.layout)
+    v = make_tensor((sum(lens_k), hkv, case.dv), case.dtype, case.layout)
+    kw = dict(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_seqlens(lens_k), **case.kwargs())
+    check_against_rule(q, k, v, seed, f"{case} lens_q={lens_q} lens_k={lens_k}", max_seqlen_q=max(lens_q),
+                       max_seqlen_k=max(lens_k), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: every output element written
+# ---------------------------------------------------------------------------------------------
+POISON_CASES = [
+    Case(dtype=BF16, hdim=128, causal=True, nq=113, nk=17),
+    Case(dtype=FP16, hdim=64, window=(32, 8), nq=17, nk=1000, heads=(8, 2)),
+    Case(dtype=BF16, hdim=256, softcap=30.0, nq=1, nk=113, heads=(6, 1)),
+]
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=str)
+def test_forward_launcher_overwrites_nan_poisoned_outputs(seed, case):
+    from cute_flash.fwd import run_fwd
+
+    q, k, v = make_qkv(case)
+    out = torch.full((*q.shape[:-1], case.dv), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((case.batch, case.heads[0], case.nq), float("nan"), device="cuda")
+    scale = case.hdim ** -0.5
+    run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=case.causal, window_size=case.window,
+            softcap=case.softcap)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    r_out, r_lse = attention_ref(q, k, v, softmax_scale=scale, **case.kwargs())
+    s_out, s_lse = attention_ref(q, k, v, softmax_scale=scale, upcast=False, **case.kwargs())
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, case)
+    assert_lse_rule(lse, r_lse, s_lse, seed, case)
+
+
+def test_varlen_forward_launcher_overwrites_nan_poisoned_outputs(seed):
+    from cute_flash.fwd import run_fwd
+
+    lens_q, lens_k = [0, 130, 1, 77], [50, 0, 200, 77]
+    q = torch.randn(sum(lens_q), 4, 64, dtype=BF16, device="cuda")
+    k = torch.randn(sum(lens_k), 2, 64, dtype=BF16, device="cuda")
+    v = torch.randn(sum(lens_k), 2, 64, dtype=BF16, device="cuda")
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, sum(lens_q)), float("nan"), device="cuda")
+    run_fwd(q, k, v, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    kw = dict(softmax_scale=0.125, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    r_out, r_lse = attention_ref(q, k, v, **kw)
+    s_out, s_lse = attention_ref(q, k, v, upcast=False, **kw)
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, "varlen")
+    assert_lse_rule(lse, r_lse, s_lse, seed, "varlen")
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=str)
+def test_backward_launcher_overwrites_nan_poisoned_gradients(seed, case):
+    from cute_flash.bwd import run_bwd
+
+    q, k, v = make_qkv(case)
+    kw = dict(softmax_scale=case.hdim ** -0.5, **case.kwargs())
+    out, lse = cute_flash.flash_attn_func(q, k, v, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    run_bwd(dout, q, k, v, out, lse, dq, dk, dv, deterministic=True, **kw)
+    torch.cuda.synchronize()
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not g.isnan().any(), f"{name} keeps NaN: not every element was written [{case}]"
+    _, _, want = fwd_bwd(ours_fn, q, k, v, dout, deterministic=True, **kw)  # the ops allocate with empty()
+    for g, w in zip((dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(g, w, atol=FLOOR_BWD, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism, gradient through lse, torch.compile, SDPA wrapper
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [
+    Case(dtype=BF16, hdim=128, heads=(8, 2), nq=1000, nk=1000),
+    Case(dtype=FP16, hdim=64, causal=True, heads=(6, 1), nq=4224, nk=4224),
+    Case(dtype=BF16, hdim=256, window=(64, 32), softcap=30.0, nq=1000, nk=113),
+], ids=str)
+def test_deterministic_backward_is_bitwise_reproducible(seed, case):
+    q, k, v = make_qkv(case)
+    dout = torch.randn(*q.shape[:-1], case.dv, dtype=q.dtype, device="cuda")
+    runs = [fwd_bwd(ours_fn, q, k, v, dout, deterministic=True, **case.kwargs())[2] for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other, strict=True):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs [{case}] seed={seed}"
+
+
+@pytest.mark.parametrize("case", [
+    Case(dtype=BF16, hdim=128, causal=True, heads=(8, 2), nq=1000, nk=1000),
+    Case(dtype=FP16, hdim=64, softcap=30.0, window=(64, 32), nq=113, nk=1000),
+], ids=str)
+def test_gradient_through_lse_within_twice_pytorch_error(seed, case):
+    def loss_grads(fn, q, k, v, dout, dlse, **kw):
+        q, k, v = leaves((q, k, v))
+        out, lse = fn(q, k, v, **kw)
+        loss = (out.float() * dout.float()).sum() + (finite_lse(lse) * dlse).sum()
+        return torch.autograd.grad(loss, (q, k, v))
+
+    q, k, v = make_qkv(case)
+    dout = torch.randn(*q.shape[:-1], case.dv, dtype=q.dtype, device="cuda")
+    dlse = torch.randn(case.batch, case.heads[0], case.nq, device="cuda")
+    ours = loss_grads(ours_fn, q, k, v, dout, dlse, **case.kwargs())
+    ref = loss_grads(ref_fn(True), *(t.float() for t in (q, k, v)), dout, dlse, **case.kwargs())
+    same = loss_grads(ref_fn(False), q, k, v, dout, dlse, **case.kwargs())
+    for name, g, r, s in zip(("dq", "dk", "dv"), ours, ref, same, strict=True):
+        assert_rule(name, g, r, s, FLOOR_BWD, seed, case)
+
+
+def test_compiled_functions_match_eager(seed):
+    q, k, v = make_qkv(Case(hdim=128, heads=(8, 2), nq=300, nk=500))
+
+    def f(q, k, v):
+        out, lse = cute_flash.flash_attn_func(q, k, v, causal=True, deterministic=True, return_lse=True)
+        return (out.float() ** 2).sum() + finite_lse(lse).sum()
+
+    def g(q, k, v):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        return cute_flash.attention(qs, ks, vs, is_causal=True, enable_gqa=True).float().square().sum()
+
+    for fn in (f, g):
+        eager_args, compiled_args = leaves((q, k, v)), leaves((q, k, v))
+        want = torch.autograd.grad(fn(*eager_args), eager_args)
+        got = torch.autograd.grad(torch.compile(fn, fullgraph=True)(*compiled_args), compiled_args)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_attention_matches_sdpa_on_gpu(seed):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 8, 300, 128, dtype=BF16, device="cuda")
+    k = torch.randn(2, 2, 1000, 128, dtype=BF16, device="cuda")
+    v = torch.randn(2, 2, 1000, 128, dtype=BF16, device="cuda")
+    for is_causal in (False, True):
+        out = cute_flash.attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+        with sdpa_kernel(SDPBackend.MATH):  # the plain PyTorch math, in fp32 and in bf16
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal,
+                                                 enable_gqa=True)
+            same = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+        assert_rule("out", out, ref, same, FLOOR_FWD, seed, f"sdpa causal={is_causal}")

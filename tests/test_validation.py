@@ -1,0 +1,288 @@
+"""Input checks: every violation of the kernels' contract is caught before a launch, with the
+right exception type and a message naming what was expected and what was got."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import ops, validate
+
+BF16 = torch.bfloat16
+
+
+def qkv(b=2, nq=8, nk=8, h=4, hkv=4, d=64, dv=None, dtype=BF16):
+    dv = d if dv is None else dv
+    return (torch.randn(b, nq, h, d, dtype=dtype), torch.randn(b, nk, hkv, d, dtype=dtype),
+            torch.randn(b, nk, hkv, dv, dtype=dtype))
+
+
+def varlen(lens_q=(3, 5), lens_k=(4, 2), h=4, hkv=2, d=32):
+    q = torch.randn(sum(lens_q), h, d, dtype=BF16)
+    k = torch.randn(sum(lens_k), hkv, d, dtype=BF16)
+    v = torch.randn(sum(lens_k), hkv, d, dtype=BF16)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def check(q, k, v, **kw):
+    kw.setdefault("softmax_scale", 0.125)
+    validate.check_fwd(q, k, v, **kw)
+
+
+def misaligned_ptr(shape, dtype=BF16):
+    """A tensor with 16-byte aligned strides whose first element sits 2 bytes past alignment."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.randn(n + 8, dtype=dtype)[1:n + 1].view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accepted inputs
+# ---------------------------------------------------------------------------------------------
+def test_accepts_contiguous_gqa_and_a_different_value_head_dim(seed):
+    check(*qkv(h=8, hkv=2, d=128, dv=64))
+
+
+def test_accepts_sdpa_layout_transposed_views_without_copies(seed):
+    q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    check(q, k, v)
+
+
+def test_accepts_padded_rows_with_16_byte_aligned_strides(seed):
+    q = torch.randn(2, 8, 4, 64 + 8, dtype=BF16)[..., :64]  # row stride 72 elements = 144 bytes
+    check(q, *qkv()[1:])
+
+
+def test_ignores_strides_of_extent_one_dims():
+    q = torch.randn(1, 8, 4, 64, dtype=BF16).as_strided((1, 8, 4, 64), (3, 256, 64, 1))
+    check(q, *qkv(b=1)[1:])
+
+
+def test_accepts_varlen_with_empty_sequences(seed):
+    check(*varlen(lens_q=(3, 0, 1), lens_k=(0, 2, 5))[:3], cu_seqlens_q=varlen((3, 0, 1), (0, 2, 5))[3],
+          cu_seqlens_k=varlen((3, 0, 1), (0, 2, 5))[4], max_seqlen_q=3, max_seqlen_k=5)
+
+
+def test_supported_head_dims_agree_with_the_forward_kernel_configs():
+    fwd = pytest.importorskip("cute_flash.fwd")
+    assert tuple(validate.SUPPORTED_HEAD_DIMS) == tuple(fwd.SUPPORTED_HDIMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# TypeError: dtypes and types
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_rejects_dtypes_other_than_fp16_bf16(dtype):
+    with pytest.raises(TypeError, match=r"q must be float16 or bfloat16, got " + str(dtype)[6:]):
+        check(*qkv(dtype=dtype) if dtype.is_floating_point else
+              (torch.zeros(2, 8, 4, 64, dtype=dtype),) * 3)
+
+
+def test_rejects_mismatched_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="v must have the same dtype as q .bfloat16., got float16"):
+        check(q, k, v.half())
+
+
+def test_rejects_non_int32_cu_seqlens():
+    q, k, v, cu_q, cu_k = varlen()
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32, got int64"):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k.long())
+
+
+def test_rejects_non_tensors():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got list"):
+        check(q, [1, 2], v)
+
+
+# ---------------------------------------------------------------------------------------------
+# ValueError: devices, shapes, layouts
+# ---------------------------------------------------------------------------------------------
+def test_rejects_tensors_on_different_devices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="same device: q is on cpu, v is on meta"):
+        check(q, k, v.to("meta"))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_rejects_wrong_rank(which):
+    t = dict(zip("qkv", qkv(), strict=True))
+    t[which] = t[which][0]
+    with pytest.raises(ValueError, match=rf"{which} must be 4-D \(B, N, H, d\), got shape"):
+        check(t["q"], t["k"], t["v"])
+
+
+def test_rejects_wrong_rank_for_varlen():
+    q, k, v, cu_q, cu_k = varlen()
+    with pytest.raises(ValueError, match=r"q must be 3-D \(total, H, d\)"):
+        check(q[None], k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("batch", "same batch size, got 2, 3, 3"),
+    ("kv_len", "k and v must have the same number of keys"),
+    ("kv_heads", "k and v must have the same number of heads, got 4 and 2"),
+    ("qk_dim", "q and k must have the same head dim, got 64 and 128"),
+    ("gqa", "q heads must be a positive multiple of k/v heads .GQA/MQA., got 6 q heads and 4"),
+])
+def test_rejects_mismatched_shapes(case, pattern):
+    q, k, v = qkv()
+    if case == "batch":
+        k, v = qkv(b=3)[1:]
+    elif case == "kv_len":
+        v = qkv(nk=9)[2]
+    elif case == "kv_heads":
+        v = qkv(hkv=2)[2]
+    elif case == "qk_dim":
+        k = qkv(d=128)[1]
+    elif case == "gqa":
+        q = qkv(h=6)[0]
+    with pytest.raises(ValueError, match=pattern):
+        check(q, k, v)
+
+
+@pytest.mark.parametrize("d,dv,pattern", [
+    (48, 48, "unsupported q/k head dim 48; supported: 32, 64, 96, 128, 160, 192, 256"),
+    (512, 512, "unsupported q/k head dim 512"),
+    (64, 100, "unsupported v head dim 100"),
+])
+def test_rejects_unsupported_head_dims(d, dv, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check(*qkv(d=d, dv=dv))
+
+
+def test_rejects_a_last_dim_that_is_not_contiguous():
+    q = torch.randn(2, 8, 4, 128, dtype=BF16)[..., ::2]
+    with pytest.raises(ValueError, match=r"q must be contiguous in its last dim \(stride\(-1\) == 1\)"):
+        check(q, *qkv()[1:])
+
+
+def test_rejects_strides_that_are_not_16_byte_multiples():
+    k = torch.randn(2, 8, 4, 64 + 4, dtype=BF16)[..., :64]  # row stride 68 elements = 136 bytes
+    with pytest.raises(ValueError, match=r"k.stride\(2\) must be a multiple of 8 elements \(16 bytes\)"):
+        check(qkv()[0], k, qkv()[2])
+
+
+def test_rejects_a_data_pointer_that_is_not_16_byte_aligned():
+    v = misaligned_ptr((2, 8, 4, 64))
+    with pytest.raises(ValueError, match="v must start at a 16-byte aligned address"):
+        check(*qkv()[:2], v)
+
+
+def test_fake_tensor_mode_skips_the_pointer_check():
+    check(*qkv()[:2], misaligned_ptr((2, 8, 4, 64)), check_data=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# ValueError: cu_seqlens
+# ---------------------------------------------------------------------------------------------
+def test_rejects_cu_seqlens_that_are_not_1d():
+    q, k, v, cu_q, cu_k = varlen()
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be 1-D of length batch\+1"):
+        check(q, k, v, cu_seqlens_q=cu_q[None], cu_seqlens_k=cu_k)
+
+
+def test_rejects_cu_seqlens_of_different_batch_sizes():
+    q, k, v, cu_q, _ = varlen()
+    cu_k = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"both have length batch\+1, got 3 and 2"):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_rejects_only_one_cu_seqlens():
+    q, k, v, cu_q, _ = varlen()
+    with pytest.raises(ValueError, match="varlen needs both"):
+        check(q, k, v, cu_seqlens_q=cu_q)
+
+
+@pytest.mark.parametrize("cu,pattern", [
+    ([1, 3, 8], "cu_seqlens_q must start at 0, got 1"),
+    ([0, 5, 3, 8], "cu_seqlens_q must be non-decreasing"),
+    ([0, 3, 7], r"cu_seqlens_q\[-1\] must equal the number of packed tokens \(8\), got 7"),
+])
+def test_rejects_bad_cu_seqlens_values(cu, pattern):
+    q, k, v, _, _ = varlen()
+    cu_q = torch.tensor(cu, dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 6][:len(cu)], dtype=torch.int32)
+    with pytest.raises(ValueError, match=pattern):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_rejects_max_seqlen_below_the_longest_sequence():
+    q, k, v, cu_q, cu_k = varlen(lens_q=(3, 5))
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(4\) is smaller than the longest sequence \(5\)"):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# ValueError: scalars
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(window_size=(-2, 0)), "window_size left must be >= -1"),
+    (dict(window_size=(0, -5)), "window_size right must be >= -1"),
+    (dict(window_size=(1.5, 0)), "window_size left must be an int, got 1.5"),
+    (dict(window_size=(1, 2, 3)), r"window_size must be a pair \(left, right\)"),
+    (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
+    (dict(softcap=float("inf")), "softcap must be a finite number >= 0"),
+    (dict(softmax_scale=0.0), "softmax_scale must be a finite positive number, got 0.0"),
+    (dict(softmax_scale=-0.5), "softmax_scale must be a finite positive number"),
+    (dict(softmax_scale=float("nan")), "softmax_scale must be a finite positive number"),
+])
+def test_rejects_bad_scalar_arguments(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check(*qkv(), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward-only inputs
+# ---------------------------------------------------------------------------------------------
+def _bwd_args():
+    q, k, v = qkv(dv=32)
+    out = torch.randn(2, 8, 4, 32, dtype=BF16)
+    return dict(dout=torch.randn_like(out), q=q, k=k, v=v, out=out, lse=torch.randn(2, 4, 8))
+
+
+@pytest.mark.parametrize("change,exc,pattern", [
+    (dict(dout=torch.randn(2, 8, 4, 64, dtype=BF16)), ValueError,
+     r"dout must have shape \(2, 8, 4, 32\) \(q's with v's head dim\)"),
+    (dict(out=torch.randn(2, 8, 4, 32, dtype=torch.float16)), TypeError, "out must have the same dtype as q"),
+    (dict(lse=torch.randn(2, 4, 8, dtype=torch.float64)), TypeError, "lse must be float32, got float64"),
+    (dict(lse=torch.randn(2, 8, 4)), ValueError, r"lse must have shape \(2, 4, 8\), got \(2, 8, 4\)"),
+    (dict(lse=torch.randn(2, 4, 16)[..., ::2]), ValueError, "lse must be contiguous in its last dim"),
+])
+def test_backward_rejects_bad_dout_out_or_lse(change, exc, pattern):
+    args = _bwd_args() | change
+    with pytest.raises(exc, match=pattern):
+        validate.check_bwd(softmax_scale=0.1, **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the public API and the CUDA implementations
+# ---------------------------------------------------------------------------------------------
+def test_public_api_raises_the_same_errors(seed):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16, got float32"):
+        cute_flash.flash_attn_func(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="window_size left must be >= -1"):
+        cute_flash.flash_attn_func(q, k, v, window_size=(-3, 0))
+    with pytest.raises(ValueError, match="softmax_scale must be a finite positive number"):
+        cute_flash.flash_attn_func(q, k, v, softmax_scale=-1.0)
+    q2, k2, v2, cu_q, cu_k = varlen()
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        cute_flash.flash_attn_varlen_func(q2, k2, v2, cu_q + 1, cu_k, 5, 4)
+
+
+def test_cuda_path_validates_before_launching(fake_launchers):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="unsupported v head dim"):
+        ops._fwd_cuda(q, k, v[..., :40], 0.1, False, (-1, -1), 0.0)
+    args = _bwd_args() | dict(lse=torch.randn(2, 4, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="lse must be float32"):
+        ops._bwd_cuda(*args.values(), 0.1, False, (-1, -1), 0.0, False)
+    assert fake_launchers == []
