@@ -11,6 +11,7 @@ stored in that MMA's fragment order), so the pre/post configs are derived from t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import cutlass
@@ -216,3 +217,95 @@ class BwdPostConfig(jit.KernelConfig):
             cu_q = None
         _, _, dq_acc, _ = _scratch_fakes(self.varlen, h, b, False)
         return (dq_acc, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(0), jit.fake_stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant enumeration and the launcher
+# ---------------------------------------------------------------------------------------------
+def bwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float, varlen: bool,
+               deterministic: bool, target: str | None = None) -> BwdConfig:
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    if target is None:
+        target = jit.resolve_arch(q.device)
+    return BwdConfig(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                     local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
+
+
+def bwd_configs(target: str | None, dtype: str, hdim: int, hdim_v: int, causal: bool, local: bool,
+                softcap: bool, varlen: bool, deterministic: bool) -> list[jit.KernelConfig]:
+    """The three kernels one backward variant launches: preprocess, main, postprocess."""
+    if hdim not in SUPPORTED_HDIMS or hdim_v not in SUPPORTED_HDIMS:
+        raise ValueError(f"head dims must be in {SUPPORTED_HDIMS}, got {hdim}/{hdim_v}")
+    main = BwdConfig(target=target, dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local,
+                     softcap=softcap, varlen=varlen, deterministic=deterministic)
+    return [main.pre(), main, main.post()]
+
+
+@functools.cache
+def _smem_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def _alloc_scratch(q: torch.Tensor, cfg: BwdConfig, num_batch: int, rows: int, varlen: bool):
+    """fp32 LSE*log2e, D, dQ accumulator and (deterministic) int32 semaphores, per padded row
+    (see cute_flash/kernels/bwd_math.py). Contents are written by the preprocess: no memset."""
+    tm, h, d = cfg.tiles.tile_m, q.shape[-2], cfg.hdim
+    dev = q.device
+    if varlen:
+        # Batch b starts at padded row (cu_q[b] + b*tm) // tm * tm; the last one ends before
+        # (total + B*tm) // tm * tm. One spare tile keeps the bound obvious.
+        npad = (rows // tm + num_batch + 1) * tm
+        lead = (h,)
+    else:
+        npad = (rows + tm - 1) // tm * tm
+        lead = (num_batch, h)
+    lse2 = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
+    dsum = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
+    dq_acc = torch.empty(*lead, npad * d, dtype=torch.float32, device=dev)
+    sem = torch.empty(*lead, npad // tm, dtype=torch.int32, device=dev) if cfg.deterministic else None
+    return lse2, dsum, dq_acc, sem
+
+
+def _max_seqlen(cu: torch.Tensor, given: int | None) -> int:
+    if given is not None:
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
+            causal: bool, window_size: tuple[int, int], softcap: float, deterministic: bool,
+            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> None:
+    """Launch the sm80 backward on validated CUDA tensors; writes ``dq``, ``dk``, ``dv`` in place.
+
+    q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
+    (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key.
+    """
+    causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    cfg = bwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen,
+                     deterministic=deterministic)
+    if varlen:
+        num_batch, rows_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
+        mq, mk = _max_seqlen(cu_seqlens_q, max_seqlen_q), _max_seqlen(cu_seqlens_k, max_seqlen_k)
+    else:
+        num_batch, rows_q = q.shape[0], q.shape[1]
+        mq, mk = q.shape[1], k.shape[1]
+    if num_batch == 0 or q.shape[-2] == 0 or mq == 0 or mk == 0:
+        # Nothing to attend: every gradient is zero (and a zero-sized grid cannot launch).
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
+    if need > _smem_optin(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        raise NotImplementedError(f"sm80 backward tiles for hdim {cfg.hdim}/{cfg.hdim_v} need {need} B of "
+                                  "shared memory per block, more than this GPU offers")
+    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
+    lse2, dsum, dq_acc, sem = _alloc_scratch(q, cfg, num_batch, rows_q, varlen)
+    scale = float(softmax_scale)
+    pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,
+         float(softcap) if softcap > 0 else 0.0, left, right, mk)
+    post(dq_acc, dq, cu_seqlens_q, scale, mq)

@@ -313,6 +313,17 @@ def test_compiled_varlen_matches_eager(seed):
                                                                   causal=True))
 
 
+def test_compiled_with_dynamic_shapes_handles_new_lengths_and_windows(seed):
+    def f(q, k, v, cu_q, cu_k, max_q, max_k, left):
+        return cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(left, 0))
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lens_q, lens_k, left in (([3, 5], [4, 6], 2), ([7, 2, 9], [1, 2, 9], 5)):
+        q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
+        args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), left)
+        torch.testing.assert_close(compiled(*args), f(*args))
+
+
 def test_compiled_attention_with_inductor_matches_eager(seed):
     q = torch.randn(2, 4, 12, 32, dtype=BF16, requires_grad=True)
     k = torch.randn(2, 2, 7, 32, dtype=BF16, requires_grad=True)

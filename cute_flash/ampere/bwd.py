@@ -195,9 +195,9 @@ class FlashBwdSm80:
         s2r_dq_A = cute.make_tiled_copy_A(ldsm, mma_dq).get_slice(tidx)
         s2r_dq_B = cute.make_tiled_copy_B(ldsm_t, mma_dq).get_slice(tidx)
         # 32-bit stores of adjacent (col pair) 16-bit values of P / dS into smem.
-        r2s_PdS = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
-            mma_sdp).get_slice(tidx)
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                       num_bits_per_copy=2 * self.dtype.width)
+        r2s_PdS = cute.make_tiled_copy_C(r2s_atom, mma_sdp).get_slice(tidx)
 
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim_v)), Float32)
@@ -263,7 +263,8 @@ class FlashBwdSm80:
         for mT, sT, d in ((ctx.mK, ctx.sK, self.hdim), (ctx.mV, ctx.sV, self.hdim_v)):
             copy = common.g2s_tiled_copy(self.dtype, d, self.num_threads)
             thr = copy.get_slice(ctx.tidx)
-            gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d), (ctx.n_block, 0))
+            gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d),
+                                 (ctx.n_block, 0))
             tc = thr.partition_S(cute.make_identity_tensor((self.tile_n, d)))
             common.load_block(copy, thr.partition_S(gT), thr.partition_D(sT), tc, rows_left,
                               partial=True, zero_fill=True)
@@ -482,6 +483,7 @@ class FlashBwdSm80:
         cute.arch.barrier()
         rows_left = seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, sT, d in ((mdK, ctx.sK, self.hdim), (mdV, ctx.sV, self.hdim_v)):
-            gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d), (ctx.n_block, 0))
+            gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d),
+                                 (ctx.n_block, 0))
             copy = common.r2g_tiled_copy(self.dtype, d, self.num_threads)
             common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, d, rows_left)

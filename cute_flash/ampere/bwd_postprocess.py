@@ -69,7 +69,8 @@ class FlashBwdPostSm80:
         gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
         # Element i of this thread sits at i * num_threads + tidx: each load instruction of a warp
         # reads 128 contiguous bytes.
-        src = cute.make_tensor(gacc.iterator + tidx, cute.make_layout(cute.size(acc), stride=self.num_threads))
+        src = cute.make_tensor(gacc.iterator + tidx,
+                               cute.make_layout(cute.size(acc), stride=self.num_threads))
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = src[i]
         rdQ = cute.make_rmem_tensor_like(acc, self.dtype)

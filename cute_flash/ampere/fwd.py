@@ -13,7 +13,7 @@ registers: the fp32 C fragment of QK^T converted to 16 bit is exactly the A frag
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.layout import acc_to_frgA, acc_to_mn, transpose_smem

@@ -29,7 +29,7 @@ class AttentionMask:
         """``transpose``: the accumulator holds S^T (rows are keys), as in backward kernels that
         compute dV/dK with K/V-major tiles."""
         acc_mn = acc_to_mn(acc_S, transpose=transpose)
-        shape = (self.tile_m, self.tile_n) if cutlass.const_expr(not transpose) else (self.tile_n, self.tile_m)
+        shape = (self.tile_n, self.tile_m) if cutlass.const_expr(transpose) else (self.tile_m, self.tile_n)
         coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor(shape)), transpose=transpose)
         ROW = 0 if cutlass.const_expr(not transpose) else 1
         COL = 1 if cutlass.const_expr(not transpose) else 0

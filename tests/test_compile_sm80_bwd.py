@@ -1,0 +1,133 @@
+"""Every shipped sm80 backward variant compiles for sm_80 on the CPU, uses the sm80 instructions it
+is meant to (mma.sync, ldmatrix, cp.async, fp32 reductions for dQ) and never spills registers.
+
+No GPU needed: the kernels are cross-compiled against fake tensors and the cubin is inspected with
+``cuobjdump -res-usage`` (pip package nvidia-cuda-cuobjdump).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from cute_flash import jit
+from cute_flash.bwd import SM80_BWD_TILES, SM80_SMEM_BYTES, BwdConfig, bwd_configs
+from cute_flash.fwd import SUPPORTED_HDIMS
+
+TARGET = "sm_80"
+
+
+def _cuobjdump() -> str | None:
+    try:
+        import nvidia
+
+        path = os.path.join(nvidia.__path__[0], "cu13", "bin", "cuobjdump")
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+CUOBJDUMP = _cuobjdump()
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG/STACK/SHARED/LOCAL of the (single) kernel in a cubin."""
+    if CUOBJDUMP is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    assert m, out
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
+
+
+def check_no_spills(cfg) -> str:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    res = resource_usage(cubin)
+    # A stack frame on sm80 only ever holds spilled registers here (no recursion, no local arrays).
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, f"{cfg.describe()} spills: {res}"
+    return ptx
+
+
+def check_variant(configs: list) -> None:
+    pre, main, post = configs
+    ptx = check_no_spills(main)
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx  # P^T, dS^T, Q^T, dO^T, K^T operands
+    assert "cp.async.cg.shared.global" in ptx
+    assert re.search(r"(red|atom)\.[a-z.]*global\.add\.f32", ptx), "dQ must be reduced with red/atom"
+    if main.deterministic:
+        assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx  # the dQ ordering semaphore
+    pre_ptx = check_no_spills(pre)
+    assert "st.global.v4" in pre_ptx  # 16-byte zeroing of the dQ accumulator
+    check_no_spills(post)
+
+
+MASKS = {"plain": dict(causal=False, local=False), "causal": dict(causal=True, local=False),
+         "local": dict(causal=False, local=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("hdim", SUPPORTED_HDIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_bwd_variant(dtype: str, hdim: int, mask: str) -> None:
+    check_variant(bwd_configs(TARGET, dtype, hdim, hdim, softcap=False, varlen=False, deterministic=False,
+                              **MASKS[mask]))
+
+
+# Features orthogonal to the mask, each on a few head dims (the register-heaviest included).
+EXTRA = [
+    dict(dtype="bf16", hdim=128, hdim_v=128, causal=False, local=False, softcap=True, varlen=False,
+         deterministic=False),
+    dict(dtype="fp16", hdim=256, hdim_v=256, causal=True, local=False, softcap=True, varlen=False,
+         deterministic=False),
+    dict(dtype="bf16", hdim=64, hdim_v=64, causal=True, local=False, softcap=False, varlen=True,
+         deterministic=False),
+    dict(dtype="bf16", hdim=128, hdim_v=128, causal=True, local=False, softcap=False, varlen=False,
+         deterministic=True),
+    dict(dtype="fp16", hdim=96, hdim_v=96, causal=False, local=True, softcap=True, varlen=True,
+         deterministic=True),
+    dict(dtype="bf16", hdim=192, hdim_v=128, causal=True, local=False, softcap=False, varlen=False,
+         deterministic=False),
+]
+
+
+@pytest.mark.parametrize("kw", EXTRA, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_bwd_feature_variant(kw: dict) -> None:
+    check_variant(bwd_configs(TARGET, **kw))
+
+
+def test_tile_table_fits_sm80() -> None:
+    for hdim, tiles in SM80_BWD_TILES.items():
+        assert tiles.smem_bytes(hdim, hdim) <= SM80_SMEM_BYTES, (hdim, tiles)
+        warps = tiles.num_threads // 32
+        for atom in (tiles.atom_sdp, tiles.atom_dkv, tiles.atom_dq):
+            assert warps % atom == 0
+        # S/dP (tile_m x tile_n), dK/dV (tile_n x hdim), dQ (tile_m x hdim) tile the MMA grids.
+        assert tiles.tile_m % (16 * tiles.atom_sdp) == 0 and tiles.tile_n % (16 * (warps // tiles.atom_sdp)) == 0
+        assert tiles.tile_n % (16 * tiles.atom_dkv) == 0 and hdim % (16 * (warps // tiles.atom_dkv)) == 0
+        assert tiles.tile_m % (16 * tiles.atom_dq) == 0 and hdim % (16 * (warps // tiles.atom_dq)) == 0
+
+
+def test_configs_share_the_dq_layout() -> None:
+    """Pre/post kernels must use the main kernel's query tile and dQ MMA (the accumulator's
+    fragment order), and the configs must be hashable cache keys."""
+    for deterministic in (False, True):
+        pre, main, post = bwd_configs(TARGET, "bf16", 128, 128, True, False, False, True, deterministic)
+        assert isinstance(main, BwdConfig)
+        assert pre.tile_m == main.tiles.tile_m and post.tiles == main.tiles
+        assert pre.deterministic == deterministic and pre.varlen and post.varlen
+        assert len({pre, main, post, main}) == 3
+    with pytest.raises(ValueError):
+        bwd_configs(TARGET, "bf16", 80, 80, False, False, False, False, False)
