@@ -465,7 +465,7 @@ class KernelReport:
     sass: dict[str, int]
     registers: int | None
     threads: int | None
-    spill_bytes: int | None  # spill stores + spill loads (ptxas); LOCAL as a fallback
+    spill_bytes: int | None  # spill stores + spill loads (ptxas remarks); local_bytes without remarks
     spill_stores: int | None
     spill_loads: int | None
     stack_bytes: int | None
@@ -477,9 +477,9 @@ class KernelReport:
     sass_opcodes: dict[str, int] = field(default_factory=dict)
 
 
-def _strip_prefix(name: str, table: dict[str, Any]) -> Any:
-    # Kernel names in the host IR carry no 'kernels_' prefix, and a few tools shorten nothing, so an
-    # exact match usually works; fall back to a suffix/prefix match for robustness.
+def _lookup_kernel(name: str, table: dict[str, Any]) -> Any:
+    # The host IR names a kernel as in the cubin (after its 'kernels_' module prefix), so an exact
+    # match is the rule; a suffix/prefix match covers a name decorated differently by a DSL update.
     if name in table:
         return table[name]
     for k, v in table.items():
@@ -524,7 +524,7 @@ def report_config(cfg: jit.KernelConfig, compiled: Compiled,
         sass_counts, hist = count_sass(sass_funcs.get(fname, []))
         if not sass_funcs:
             sass_counts = {}
-        dyn = _strip_prefix(fname, compiled.dyn_smem)
+        dyn = _lookup_kernel(fname, compiled.dyn_smem)
         if dyn is None and len(entries) == 1:
             dyn = compiled.obj_smem
         static = r.get("SHARED")

@@ -13,7 +13,7 @@ set -uo pipefail  # no -e: one failing part must not stop the others
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(all)

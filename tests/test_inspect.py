@@ -295,3 +295,18 @@ def test_cli_subprocess_sm90a() -> None:
     assert rep["spill_bytes"] == 0
     if rep["sass"]:
         assert rep["sass"]["HMMA"] > 0 and rep["sass"]["HGMMA"] == 0
+
+
+def test_bwd_several_kernels() -> None:
+    """A backward variant is several kernels (preprocess, main, postprocess): per-kernel details, and
+    totals that are sums (counts, spills) or maxima (registers, smem) over them."""
+    rep = ins.inspect_variant(ins.Variant(arch="sm_80", kernel="bwd", dtype="bf16", hdim=64))
+    ks = rep["kernels"]
+    assert len(ks) >= 2 and len({k["name"] for k in ks}) == len(ks)
+    for key in rep["ptx"]:
+        assert rep["ptx"][key] == sum(k["ptx"][key] for k in ks), key
+    assert rep["registers"] == max(k["registers"] for k in ks)
+    assert rep["smem_bytes"] == max(k["smem_bytes"] for k in ks)
+    assert rep["spill_bytes"] == sum(k["spill_bytes"] for k in ks)
+    assert rep["ptx"]["mma.sync"] > 0 and rep["ptx"]["wgmma.mma_async"] == 0
+    assert rep["compile_s"] > 0
