@@ -24,6 +24,11 @@ SM80_FWD_TILES: dict[int, tuple[int, int, int, int]] = {
     192: (64, 64, 128, 1),
     256: (64, 64, 128, 1),
 }
+# Sliding windows and softcap add ~20 live registers (two row limits, tanh scale); where that tips
+# the default tile into spilling, these variants take a narrower K/V block.
+SM80_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int]] = {
+    256: (64, 32, 128, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,9 @@ class FwdConfig(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.tiles == (0, 0, 0, 0):
-            object.__setattr__(self, "tiles", SM80_FWD_TILES[max(self.hdim, self.hdim_v)])
+            d = max(self.hdim, self.hdim_v)
+            table = SM80_FWD_TILES_MASKED if (self.local or self.softcap) else SM80_FWD_TILES
+            object.__setattr__(self, "tiles", table.get(d, SM80_FWD_TILES[d]))
 
     def build(self):
         from cute_flash.ampere.fwd import FlashFwdSm80
