@@ -39,8 +39,8 @@ class FlashFwdSm80:
     # ------------------------------------------------------------------------------------------
     def _setup(self) -> None:
         self.sQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
-        self.sK_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim)
-        self.sV_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim_v)
+        self.sK_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim, self.num_stages)
+        self.sV_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
         self.sO_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim_v)
         self.copy_QK = common.g2s_tiled_copy(self.dtype, self.hdim, self.num_threads)
         self.copy_V = common.g2s_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
@@ -128,8 +128,8 @@ class FlashFwdSm80:
 
         thr_mma = self.mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         acc_O.fill(0.0)
 
@@ -151,13 +151,13 @@ class FlashFwdSm80:
             thr_mma=thr_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, s2r_Q=s2r_Q, s2r_K=s2r_K,
             s2r_V=s2r_V, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
             tKcK=tKcK, tVcV=tVcV, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block,
-            n_block_min=n_block_min, score_scale=score_scale)
+            n_block_min=n_block_min, n_block_last=n_block_max - 1, score_scale=score_scale)
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
         common.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
                          seqlen.seqlen_q - m_block * self.tile_m, tidx)
         if n_block_max > n_block_min:
-            self.load_K(ctx, n_block_max - 1, partial=True)
+            self.load_K(ctx, n_block_max - 1, 0, partial=True)
         cute.arch.cp_async_commit_group()
 
         right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
@@ -198,31 +198,42 @@ class FlashFwdSm80:
                 n_block -= 1
 
     @cute.jit
-    def load_K(self, ctx, n_block: Int32, partial: cutlass.Constexpr[bool]):
-        common.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block], ctx.tKsK, ctx.tKcK,
+    def load_K(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
+        common.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block],
+                          ctx.tKsK[None, None, None, stage], ctx.tKcK,
                           ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
 
     @cute.jit
-    def load_V(self, ctx, n_block: Int32, partial: cutlass.Constexpr[bool]):
+    def load_V(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
         # V rows past the sequence end must be zeros, not stale smem: P is 0 there but 0 * NaN
         # would still poison O.
-        common.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block], ctx.tVsV, ctx.tVcV,
+        common.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block],
+                          ctx.tVsV[None, None, None, stage], ctx.tVcV,
                           ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
 
     @cute.jit
     def one_block(self, ctx, n_block: Int32, is_first: cutlass.Constexpr[bool],
                   partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                   mask_left: cutlass.Constexpr[bool]):
+        two_stage = cutlass.const_expr(self.num_stages == 2)
+        stage = Int32(0)
+        if cutlass.const_expr(two_stage):
+            stage = (ctx.n_block_last - n_block) & 1
         acc_S = cute.make_rmem_tensor(ctx.thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
-        # K(n) has landed and every warp is done with V(n+1): V(n) may overwrite it.
+        # K(n) has landed and every warp is done with block n+1: V(n) may overwrite V's buffer.
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
-        self.load_V(ctx, n_block, partial)
+        self.load_V(ctx, n_block, stage, partial)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(two_stage):
+            # Two K buffers: K(n-1) streams in during this whole block, not just during PV.
+            if n_block > ctx.n_block_min:
+                self.load_K(ctx, n_block - 1, stage ^ 1, partial=False)
+            cute.arch.cp_async_commit_group()
 
-        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK, ctx.s2r_Q, ctx.s2r_K,
-                       prefetch=self.prefetch)
+        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
+                       ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
@@ -236,14 +247,16 @@ class FlashFwdSm80:
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
 
-        # V(n) has landed and every warp is done with K(n): K(n-1) may overwrite it.
-        cute.arch.cp_async_wait_group(0)
+        # V(n) has landed (K(n-1) may still be in flight with two stages) and every warp is done
+        # with K(n): with one stage, K(n-1) may now overwrite it.
+        cute.arch.cp_async_wait_group(1 if two_stage else 0)
         cute.arch.barrier()
-        if n_block > ctx.n_block_min:
-            self.load_K(ctx, n_block - 1, partial=False)
-        cute.arch.cp_async_commit_group()
-        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt, ctx.s2r_V,
-                       prefetch=self.prefetch)
+        if cutlass.const_expr(not two_stage):
+            if n_block > ctx.n_block_min:
+                self.load_K(ctx, n_block - 1, 0, partial=False)
+            cute.arch.cp_async_commit_group()
+        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt[None, None, None, stage],
+                       ctx.s2r_V, prefetch=self.prefetch)
 
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):
