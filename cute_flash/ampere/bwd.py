@@ -332,22 +332,9 @@ class FlashBwdSm80:
             head = head_begin
             m_block = ctx.m_block_min
             num_iters = ctx.group * (ctx.m_block_max - ctx.m_block_min)
-            import os as _os
-            npad = int(_os.environ.get("CF_PAD", "0"))
-            if cutlass.const_expr(npad):
-                pad = cute.make_rmem_tensor(npad, Float32)
-                for i in cutlass.range_constexpr(npad):
-                    pad[i] = Float32(ctx.tidx + i)
             for it in cutlass.range(num_iters, unroll=1):
                 need_mask = partial_n or m_block < a or m_block >= b
                 head, m_block = self.one_block(ctx, head, m_block, it, head_end, need_mask)
-                if cutlass.const_expr(npad):
-                    for i in cutlass.range_constexpr(npad):
-                        pad[i] = pad[i] * Float32(it) + Float32(i)
-            if cutlass.const_expr(npad):
-                dv_alias = ctx.acc_dV
-                for i in cutlass.range_constexpr(npad):
-                    dv_alias[i] = dv_alias[i] + pad[i]
 
     @cute.jit
     def one_block(self, ctx, head, m_block, it, head_end, need_mask):
