@@ -28,7 +28,8 @@ class BwdTiles:
     ``stages``: smem buffers of Q (+LSE2) and dO (+D); 2 lets the next query block's loads
     overlap all of this block's math, 1 (large head dims, for smem) overlaps them with part of it.
     ``atom_sdp``: warps along the query rows of S/dP (the rest go along keys); ``atom_dkv``: warps
-    along the key rows of dK/dV; ``atom_dq``: warps along the query rows of dQ.
+    along the key rows of dK/dV; ``atom_dq``: warps along the query rows of dQ. ``dq_splits``:
+    the dQ GEMM runs over hdim / dq_splits columns at a time (fewer live fp32 registers).
     """
 
     tile_m: int
@@ -38,6 +39,8 @@ class BwdTiles:
     atom_sdp: int
     atom_dkv: int
     atom_dq: int
+    dq_splits: int = 1
+    dq_prefetch: bool = True
 
     def smem_bytes(self, hdim: int, hdim_v: int) -> int:
         el = 2  # fp16/bf16

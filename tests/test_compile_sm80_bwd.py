@@ -48,7 +48,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
                              check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     assert m, out
-    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups()), strict=True))
 
 
 def check_no_spills(cfg) -> str:
@@ -115,7 +115,8 @@ def test_tile_table_fits_sm80() -> None:
         for atom in (tiles.atom_sdp, tiles.atom_dkv, tiles.atom_dq):
             assert warps % atom == 0
         # S/dP (tile_m x tile_n), dK/dV (tile_n x hdim), dQ (tile_m x hdim) tile the MMA grids.
-        assert tiles.tile_m % (16 * tiles.atom_sdp) == 0 and tiles.tile_n % (16 * (warps // tiles.atom_sdp)) == 0
+        assert tiles.tile_m % (16 * tiles.atom_sdp) == 0
+        assert tiles.tile_n % (16 * (warps // tiles.atom_sdp)) == 0
         assert tiles.tile_n % (16 * tiles.atom_dkv) == 0 and hdim % (16 * (warps // tiles.atom_dkv)) == 0
         assert tiles.tile_m % (16 * tiles.atom_dq) == 0 and hdim % (16 * (warps // tiles.atom_dq)) == 0
 

@@ -14,11 +14,19 @@ dK is scaled by ``softmax_scale`` in the epilogue, dQ in the postprocess (d s / 
 times 1 - tanh^2 with softcap).
 
 Data movement: K, V are loaded once (rows past the sequence end zero-filled). Q (+LSE2) and dO
-(+D) stream through ``stages_q`` / ``stages_do`` cp.async buffers in swizzled smem; the next
-block's Q is issued during the dP GEMM and the next dO during the dQ (or dK) GEMM, so the loads
-overlap the tensor-core work. P and dS go registers -> smem once (16 bit) and are read back
+(+D) stream through cp.async buffers in swizzled smem. Double-buffered (``stages`` = 2): the next
+block's Q and dO are issued right after P and dS are in smem -- the point of the iteration with
+the fewest live registers -- into the other buffer, and land while dV, dQ, dK (and the next S)
+run. Single-buffered (largest head dims, for smem): dO(next) once dV is done, Q(next) once dK is
+done, hidden behind the dQ GEMM. P and dS go registers -> smem once (16 bit) and are read back
 transposed with ``ldmatrix.trans`` as the A operand of dV/dK, and straight for dQ; K is read
-transposed for dQ, Q and dO transposed for dK and dV.
+transposed for dQ, Q and dO transposed for dK and dV. P stays fp32 in registers until dS is
+formed (as in FA2): only its 16-bit copy feeds the dV GEMM.
+
+Masking: per K/V block, only the query blocks on the causal diagonal / window edges (and all of
+them when the K/V block is the partial one at the sequence end) apply the element-wise mask; the
+choice is a uniform run-time branch, so the block body is compiled once. Rows past the query
+sequence end need no mask: their LSE2 is +inf (P = 0) and their Q/dO rows are zero.
 
 GQA/MQA: the CTA loops over the q heads of its group itself, accumulating their dK/dV in the
 same registers. That is deterministic with no dK/dV atomics and no fp32 dK/dV buffers or extra
@@ -28,9 +36,12 @@ postprocess; the price is g times fewer, g times longer CTAs, which only hurts w
 dQ: each query block's dQ partial (tile_m x hdim) is added with ``red.global.add.f32`` into an
 fp32 chunk stored in this MMA's fragment order (element i of thread t at i * num_threads + t), so
 each warp-wide reduction instruction covers 128 contiguous bytes (4 sectors instead of 8 for a
-row-major tile). Deterministic mode orders those reductions: a per-(query block, head, batch)
-semaphore lets K/V block n add only after block n-1 (the previous block that sees this query
-block) has, so the fp32 sum is always formed in the same order.
+row-major tile). ``dq_splits`` > 1 computes it in column slices to cap its registers.
+Deterministic mode orders those reductions: a per-(query block, head, batch) semaphore lets K/V
+block n add only after block n-1 (the previous block that sees this query block) has, so the fp32
+sum is always formed in the same order. Cost: one acquire spin + 2 extra CTA barriers + a gpu
+fence per block, and a skew between neighbouring K/V blocks (block n trails block n-1 by about
+one query block), i.e. a pipeline fill of ~(number of K/V blocks per head) iterations.
 """
 
 import math
@@ -39,6 +50,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator
 
 from cute_flash.kernels import bwd_math
 from cute_flash.kernels.block_info import BlockInfo
@@ -82,6 +94,8 @@ class FlashBwdSm80:
         assert t.stages in (1, 2)
         self.double_buffer = t.stages == 2
         self.stages = t.stages
+        self.dq_splits = t.dq_splits
+        assert self.hdim % self.dq_splits == 0
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen, self.deterministic = cfg.softcap, cfg.varlen, cfg.deterministic
 
@@ -177,7 +191,7 @@ class FlashBwdSm80:
         """Smem views, copy/MMA partitions and accumulators of this CTA (all compile-time
         layouts plus a few addresses)."""
         lay = self._layouts()
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        storage = SmemAllocator().allocate(Storage)
         sQ, sdO = storage.sQ.get_tensor(lay["sQ"]), storage.sdO.get_tensor(lay["sdO"])
         sK, sV = storage.sK.get_tensor(lay["sK"]), storage.sV.get_tensor(lay["sV"])
         sP, sdS = storage.sP.get_tensor(lay["sP"]), storage.sdS.get_tensor(lay["sP"])
@@ -233,12 +247,11 @@ class FlashBwdSm80:
             tdKrdSt=thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt)),
             tdKrQt=thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt[None, None, 0])),
             tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
-            tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(sKt)),
             tSsQ=s2r_sdp_A.partition_S(sQ), tSsK=s2r_sdp_B.partition_S(sK),
             tdPsdO=s2r_sdp_A.partition_S(sdO), tdPsV=s2r_sdp_B.partition_S(sV),
             tdVsPt=s2r_dkv_A.partition_S(sPt), tdVsdOt=s2r_dkv_B.partition_S(sdOt),
             tdKsdSt=s2r_dkv_A.partition_S(sdSt), tdKsQt=s2r_dkv_B.partition_S(sQt),
-            tdQsdS=s2r_dq_A.partition_S(sdS), tdQsKt=s2r_dq_B.partition_S(sKt),
+            tdQsdS=s2r_dq_A.partition_S(sdS), sKt=sKt,
             tPsP=r2s_PdS.partition_D(sP), tdSsdS=r2s_PdS.partition_D(sdS),
             # (row, col) of every S/dP accumulator element, as (rows, cols) of this thread
             tScS_mn=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))),
@@ -437,21 +450,37 @@ class FlashBwdSm80:
 
     @cute.jit
     def dQ_step(self, ctx, head, m_block):
-        """dQ partial = dS K, reduced into the fp32 accumulator chunk of (m_block, head)."""
-        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-        acc_dQ.fill(0.0)
-        common.gemm_ss(ctx.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, ctx.tdQsdS, ctx.tdQsKt, ctx.s2r_dq_A,
-                  ctx.s2r_dq_B)
+        """dQ partial = dS K, reduced into the fp32 accumulator chunk of (m_block, head).
+
+        With ``dq_splits`` > 1 the hdim columns are done in that many GEMMs, each followed by its
+        reductions: the fp32 accumulator (tile_m * hdim / 256 registers per thread) would otherwise
+        sit on top of dK and dV at the register peak of large head dims; dS is re-read from smem
+        per split, which is cheap (tile_m x tile_n)."""
+        cols = self.hdim // self.dq_splits
         gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                        self.hdim)
-        base = gacc.iterator + ctx.tidx
         if cutlass.const_expr(self.deterministic):
             sem = self.semaphore_ptr(ctx, head, m_block)
             # Wait for the previous K/V block that sees this query block (if any) to finish.
             if ctx.n_block > 0 and m_block >= ctx.prev_min and m_block < ctx.prev_max:
                 bwd_math.semaphore_wait(sem, ctx.n_block, ctx.tidx)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            bwd_math.red_add_f32(base + i * self.num_threads, acc_dQ[i])
+        for c in cutlass.range_constexpr(self.dq_splits):
+            acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, cols)), Float32)
+            acc_dQ.fill(0.0)
+            sKt = ctx.sKt if cutlass.const_expr(self.dq_splits == 1) else cute.local_tile(
+                ctx.sKt, (cols, self.tile_n), (c, 0))
+            tdQrKt = ctx.thr_dq.make_fragment_B(ctx.thr_dq.partition_B(sKt))
+            common.gemm_ss(ctx.mma_dq, acc_dQ, ctx.tdQrdS, tdQrKt, ctx.tdQsdS, ctx.s2r_dq_B.partition_S(sKt),
+                           ctx.s2r_dq_A, ctx.s2r_dq_B, prefetch=self.tiles.dq_prefetch)
+            # Split c owns elements [c * tile_m * cols, (c+1) * tile_m * cols) of the chunk, in
+            # fragment order: element i of this thread at i * num_threads + tidx.
+            base = gacc.iterator + (c * self.tile_m * cols + ctx.tidx)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                bwd_math.red_add_f32(base + i * self.num_threads, acc_dQ[i])
+            if cutlass.const_expr(c + 1 < self.dq_splits):
+                # Keeps ptxas from hoisting the next split's GEMM above these reductions, which
+                # would put both accumulators back in registers at once.
+                cute.arch.sync_warp()
         if cutlass.const_expr(self.deterministic):
             bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx)
 

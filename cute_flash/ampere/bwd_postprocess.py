@@ -11,6 +11,7 @@ smem -> 16-byte row stores, like the forward's O epilogue.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
 
 from cute_flash.kernels import bwd_math
 from cute_flash.kernels.seqlen import SeqlenInfo
@@ -65,23 +66,27 @@ class FlashBwdPostSm80:
                      tidx, m_block, head, batch):
         _, _, mma_dq = make_tiled_mmas(self.dtype, self.tiles)
         thr_mma = mma_dq.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        splits = self.tiles.dq_splits
+        cols = self.hdim // splits
         gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
-        # Element i of this thread sits at i * num_threads + tidx: each load instruction of a warp
-        # reads 128 contiguous bytes.
-        src = cute.make_tensor(gacc.iterator + tidx,
-                               cute.make_layout(cute.size(acc), stride=self.num_threads))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = src[i]
-        rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
-        rdQ.store((acc.load() * softmax_scale).to(self.dtype))
-
         sdQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = SmemAllocator().allocate(Storage).sdQ.get_tensor(sdQ_layout)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
                                      mma_dq).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ))
+        for c in cutlass.range_constexpr(splits):
+            # Split c of the main kernel's dQ GEMM: columns [c * cols, (c+1) * cols), stored at
+            # c * tile_m * cols + i * num_threads + tidx (coalesced: a warp reads 128 B per load).
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, cols)), Float32)
+            src = cute.make_tensor(gacc.iterator + (c * self.tile_m * cols + tidx),
+                                   cute.make_layout(cute.size(acc), stride=self.num_threads))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = src[i]
+            rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
+            rdQ.store((acc.load() * softmax_scale).to(self.dtype))
+            sdQ_c = sdQ
+            if cutlass.const_expr(splits > 1):
+                sdQ_c = cute.local_tile(sdQ, (self.tile_m, cols), (0, c))
+            cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ_c))
         cute.arch.barrier()
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         copy_dQ = common.r2g_tiled_copy(self.dtype, self.hdim, self.num_threads)

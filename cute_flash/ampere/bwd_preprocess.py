@@ -97,13 +97,19 @@ class FlashBwdPreSm80:
                                 (self.tile_m,), (m_block,))
         gD = cute.local_tile(bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
                              (self.tile_m,), (m_block,))
-        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+        # All row sums first (the shuffles need the whole warp), then the writes, which only the
+        # first lane of each row's group does: keeping the divergent stores out of the
+        # reduction keeps ptxas from carrying partial sums across branches.
+        num_rows = cute.size(tOgO, mode=[1])
+        dots = cute.make_rmem_tensor(num_rows, Float32)
+        for m in cutlass.range_constexpr(num_rows):
             prod = rO[None, m, None].load().to(Float32) * rdO[None, m, None].load().to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            dot = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=self.threads_per_row)
-            row = tOcO[0, m, 0][0]
-            if tOcO[0, m, 0][1] == 0:  # the first lane of the row's group writes
-                gD[row] = dot
+            dots[m] = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=self.threads_per_row)
+        if tOcO[0, 0, 0][1] == 0:
+            for m in cutlass.range_constexpr(num_rows):
+                row = tOcO[0, m, 0][0]
+                gD[row] = dots[m]  # 0 on padding rows (their O/dO were never loaded)
                 lse2 = Float32.inf
                 if row < rows_left:
                     lse = gLSE[row]
