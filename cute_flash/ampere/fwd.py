@@ -8,12 +8,11 @@ streams in while S = Q K(j)^T and the softmax run, K(j-1) while O += P V(j) runs
 registers: the fp32 C fragment of QK^T converted to 16 bit is exactly the A fragment of PV.
 """
 
-
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator
 
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.layout import acc_to_frgA, acc_to_mn, transpose_smem
@@ -113,7 +112,7 @@ class FlashFwdSm80:
         gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
         gV = cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
 
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        storage = SmemAllocator().allocate(Storage)
         sQ = storage.sQ.get_tensor(self.sQ_layout)
         sK = storage.sK.get_tensor(self.sK_layout)
         sV = storage.sV.get_tensor(self.sV_layout)
@@ -235,7 +234,7 @@ class FlashFwdSm80:
         common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
                        ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
         if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
         if cutlass.const_expr(partial or mask_right or mask_left):
             ctx.mask.apply_mask(acc_S, ctx.thr_mma, ctx.m_block, n_block, mask_seqlen=partial,
@@ -275,7 +274,10 @@ class FlashFwdSm80:
         rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
         rO.store(ctx.acc_O.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, self.sO_layout)
-        cute.arch.barrier()  # every warp is done reading Q from smem
+        # Every warp is done reading Q, and no cp.async into sQ is still in flight: a CTA whose
+        # rows see no key at all ran no block, so its Q load was never waited on.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
                                      self.mma).get_slice(tidx)
         cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
