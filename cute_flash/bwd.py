@@ -40,7 +40,6 @@ class BwdTiles:
     atom_dkv: int
     atom_dq: int
     dq_splits: int = 1
-    dq_prefetch: bool = True
 
     def smem_bytes(self, hdim: int, hdim_v: int) -> int:
         el = 2  # fp16/bf16
@@ -55,6 +54,7 @@ class BwdTiles:
 # compiled for all mask/softcap/varlen/deterministic variants and kept only if it does not spill
 # even with 16 extra registers held live across the main loop (tests/test_compile_sm80_bwd.py
 # checks the real kernels spill-free). tile_n = 96 at hdim 128: 128 spills, 64 wastes K/V reuse.
+# hdim 256 runs the dQ GEMM in two column halves (its fp32 accumulator is 64 registers).
 SM80_BWD_TILES: dict[int, BwdTiles] = {
     32: BwdTiles(64, 128, 256, 2, 2, 4, 4),
     64: BwdTiles(64, 128, 256, 2, 2, 4, 4),
@@ -62,14 +62,23 @@ SM80_BWD_TILES: dict[int, BwdTiles] = {
     128: BwdTiles(64, 96, 256, 2, 4, 2, 2),
     160: BwdTiles(64, 64, 256, 2, 4, 4, 4),
     192: BwdTiles(64, 64, 256, 2, 4, 2, 2),
-    256: BwdTiles(64, 64, 256, 1, 4, 2, 2),
+    256: BwdTiles(64, 64, 256, 1, 4, 2, 2, dq_splits=2),
+}
+
+# Softcap keeps 1 - tanh^2 of every score in registers from S to dS (tile_m * tile_n / 256 more
+# fp32 registers per thread): where that leaves too little headroom, a narrower K/V tile.
+SM80_BWD_TILES_SOFTCAP: dict[int, BwdTiles] = {
+    96: BwdTiles(64, 64, 256, 2, 4, 4, 4),
 }
 
 SM80_SMEM_BYTES = 166912  # cudaDevAttrMaxSharedMemoryPerBlockOptin on A100
 
 
-def bwd_tiles(hdim: int, hdim_v: int) -> BwdTiles:
-    return SM80_BWD_TILES[max(hdim, hdim_v)]
+def bwd_tiles(hdim: int, hdim_v: int, softcap: bool = False) -> BwdTiles:
+    key = max(hdim, hdim_v)
+    if softcap and key in SM80_BWD_TILES_SOFTCAP:
+        return SM80_BWD_TILES_SOFTCAP[key]
+    return SM80_BWD_TILES[key]
 
 
 def _scratch_fakes(varlen: bool, h, b, with_sem: bool):
@@ -148,7 +157,7 @@ class BwdConfig(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.tiles is None:
-            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v))
+            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v, self.softcap))
 
     def build(self):
         from cute_flash.ampere.bwd import FlashBwdSm80
@@ -249,6 +258,15 @@ def bwd_configs(target: str | None, dtype: str, hdim: int, hdim_v: int, causal: 
 
 
 @functools.cache
+def _compiled(target: str, dtype: str, hdim: int, hdim_v: int, causal: bool, local: bool, softcap: bool,
+              varlen: bool, deterministic: bool):
+    """Main config and the compiled (pre, main, post) executors of one variant: after the first
+    call a launch costs one dict lookup here instead of three config hashes."""
+    configs = bwd_configs(target, dtype, hdim, hdim_v, causal, local, softcap, varlen, deterministic)
+    return configs[1], tuple(jit.compile_kernel(c) for c in configs)
+
+
+@functools.cache
 def _smem_optin(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
@@ -291,8 +309,6 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
-    cfg = bwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen,
-                     deterministic=deterministic)
     if varlen:
         num_batch, rows_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
         mq, mk = _max_seqlen(cu_seqlens_q, max_seqlen_q), _max_seqlen(cu_seqlens_k, max_seqlen_k)
@@ -305,11 +321,13 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dk.zero_()
         dv.zero_()
         return
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    cfg, (pre, main, post) = _compiled(jit.resolve_arch(q.device), dtype, q.shape[-1], v.shape[-1], causal,
+                                       local, softcap > 0.0, varlen, deterministic)
     need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
     if need > _smem_optin(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         raise NotImplementedError(f"sm80 backward tiles for hdim {cfg.hdim}/{cfg.hdim_v} need {need} B of "
                                   "shared memory per block, more than this GPU offers")
-    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = _alloc_scratch(q, cfg, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
     pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)

@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from cute_flash import jit
-from cute_flash.bwd import SM80_BWD_TILES, SM80_SMEM_BYTES, BwdConfig, bwd_configs
+from cute_flash.bwd import SM80_BWD_TILES, SM80_BWD_TILES_SOFTCAP, SM80_SMEM_BYTES, BwdConfig, bwd_configs
 from cute_flash.fwd import SUPPORTED_HDIMS
 
 TARGET = "sm_80"
@@ -77,12 +77,15 @@ MASKS = {"plain": dict(causal=False, local=False), "causal": dict(causal=True, l
          "local": dict(causal=False, local=True)}
 
 
-@pytest.mark.slow
+# Softcap is in the full grid because it is the register-heaviest feature (1 - tanh^2 of every
+# score stays live from S to dS); varlen and deterministic change addressing, not the peak, and
+# are covered below.
+@pytest.mark.parametrize("softcap", [False, True], ids=["nocap", "softcap"])
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("hdim", SUPPORTED_HDIMS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_bwd_variant(dtype: str, hdim: int, mask: str) -> None:
-    check_variant(bwd_configs(TARGET, dtype, hdim, hdim, softcap=False, varlen=False, deterministic=False,
+def test_bwd_variant(dtype: str, hdim: int, mask: str, softcap: bool) -> None:
+    check_variant(bwd_configs(TARGET, dtype, hdim, hdim, softcap=softcap, varlen=False, deterministic=False,
                               **MASKS[mask]))
 
 
@@ -109,7 +112,7 @@ def test_bwd_feature_variant(kw: dict) -> None:
 
 
 def test_tile_table_fits_sm80() -> None:
-    for hdim, tiles in SM80_BWD_TILES.items():
+    for hdim, tiles in [*SM80_BWD_TILES.items(), *SM80_BWD_TILES_SOFTCAP.items()]:
         assert tiles.smem_bytes(hdim, hdim) <= SM80_SMEM_BYTES, (hdim, tiles)
         warps = tiles.num_threads // 32
         for atom in (tiles.atom_sdp, tiles.atom_dkv, tiles.atom_dq):
@@ -118,7 +121,9 @@ def test_tile_table_fits_sm80() -> None:
         assert tiles.tile_m % (16 * tiles.atom_sdp) == 0
         assert tiles.tile_n % (16 * (warps // tiles.atom_sdp)) == 0
         assert tiles.tile_n % (16 * tiles.atom_dkv) == 0 and hdim % (16 * (warps // tiles.atom_dkv)) == 0
-        assert tiles.tile_m % (16 * tiles.atom_dq) == 0 and hdim % (16 * (warps // tiles.atom_dq)) == 0
+        dq_cols = hdim // tiles.dq_splits
+        assert tiles.tile_m % (16 * tiles.atom_dq) == 0 and dq_cols % (16 * (warps // tiles.atom_dq)) == 0
+        assert dq_cols % 64 == 0 or tiles.dq_splits == 1  # a column slice is whole 64-wide smem atoms
 
 
 def test_configs_share_the_dq_layout() -> None:

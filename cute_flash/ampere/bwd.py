@@ -471,7 +471,7 @@ class FlashBwdSm80:
                 ctx.sKt, (cols, self.tile_n), (c, 0))
             tdQrKt = ctx.thr_dq.make_fragment_B(ctx.thr_dq.partition_B(sKt))
             common.gemm_ss(ctx.mma_dq, acc_dQ, ctx.tdQrdS, tdQrKt, ctx.tdQsdS, ctx.s2r_dq_B.partition_S(sKt),
-                           ctx.s2r_dq_A, ctx.s2r_dq_B, prefetch=self.tiles.dq_prefetch)
+                           ctx.s2r_dq_A, ctx.s2r_dq_B)
             # Split c owns elements [c * tile_m * cols, (c+1) * tile_m * cols) of the chunk, in
             # fragment order: element i of this thread at i * num_threads + tidx.
             base = gacc.iterator + (c * self.tile_m * cols + ctx.tidx)
