@@ -137,3 +137,34 @@ def test_configs_share_the_dq_layout() -> None:
         assert len({pre, main, post, main}) == 3
     with pytest.raises(ValueError):
         bwd_configs(TARGET, "bf16", 80, 80, False, False, False, False, False)
+
+
+def test_varlen_scratch_holds_every_padded_batch() -> None:
+    """The packed scratch rows of batch b start at (cu_q[b] + b*tile_m) // tile_m * tile_m (the
+    formula of cute_flash.kernels.bwd_math.padded_offset_q): batches must not overlap and must fit
+    in what run_bwd allocates, for any lengths (empty ones included)."""
+    import random
+
+    import torch
+
+    from cute_flash.bwd import _alloc_scratch
+
+    rng = random.Random(0)
+    for _ in range(300):
+        hdim = rng.choice(SUPPORTED_HDIMS)
+        cfg = bwd_configs(TARGET, "bf16", hdim, hdim, False, False, False, True, True)[1]
+        tm = cfg.tiles.tile_m
+        lens = [rng.choice([0, 1, tm - 1, tm, tm + 1, rng.randint(0, 700)]) for _ in range(rng.randint(1, 6))]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        q = torch.empty(cu[-1], 2, hdim)
+        lse2, dsum, dq_acc, sem = _alloc_scratch(q, cfg, len(lens), cu[-1], varlen=True)
+        rows = lse2.shape[-1]
+        assert dsum.shape == lse2.shape and dq_acc.shape[-1] == rows * hdim and sem.shape[-1] * tm == rows
+        end = 0
+        for b, n in enumerate(lens):
+            start = (cu[b] + b * tm) // tm * tm
+            assert start >= end
+            end = start + -(-n // tm) * tm
+        assert end <= rows

@@ -366,14 +366,14 @@ class FlashBwdSm80:
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_S.fill(0.0)
         common.gemm_ss(ctx.mma_sdp, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ[None, None, None, slot], ctx.tSsK,
-                  ctx.s2r_sdp_A, ctx.s2r_sdp_B)
+                       ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         dtanh = self.scores_to_probs(ctx, acc_S, m_block, slot, need_mask)
 
         # ---- dP = dO V^T, dS = P (dP - D) ----
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP.fill(0.0)
         common.gemm_ss(ctx.mma_sdp, acc_dP, ctx.tdPrdO, ctx.tdPrV, ctx.tdPsdO[None, None, None, slot],
-                  ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
+                       ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         self.probs_to_dS(ctx, acc_S, acc_dP, dtanh, slot)
 
         # ---- P, dS -> smem (16 bit); every later GEMM reads them from there ----
@@ -394,21 +394,21 @@ class FlashBwdSm80:
                 self.load_dO(ctx, h1, m1, 1 - slot)
             cute.arch.cp_async_commit_group()
             common.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
-                      ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                           ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             self.dQ_step(ctx, head, m_block)
             common.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
-                      ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                           ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
         else:
             # Single buffers (large head dims): dO(next) may land once every warp is done with dV,
             # Q(next) once every warp is done with dK; the dQ GEMM then hides the Q load.
             common.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
-                      ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                           ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
                 self.load_dO(ctx, h1, m1, slot)
             cute.arch.cp_async_commit_group()
             common.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
-                      ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                           ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
                 self.load_Q(ctx, h1, m1, slot)
