@@ -307,6 +307,10 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
     (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key.
     """
+    if v.shape[-1] > q.shape[-1]:
+        # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
+        raise ValueError(f"the sm80 backward needs v's head dim <= q's head dim, got v {v.shape[-1]} > "
+                         f"q {q.shape[-1]} (the forward supports it)")
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
     if varlen:

@@ -224,10 +224,22 @@ def test_sampled_feature_combinations_within_twice_pytorch_error(seed, case):
 @pytest.mark.parametrize("case", [
     Case(hdim=192, hdim_v=128, causal=True, nq=1000, nk=1000),
     Case(dtype=FP16, hdim=128, hdim_v=64, heads=(8, 2), nq=113, nk=1000),
-    Case(hdim=64, hdim_v=256, window=(64, 32), nq=1000, nk=113, layout="bhnd"),
 ], ids=str)
 def test_value_head_dim_different_from_qk_head_dim(seed, case):
     check_against_rule(*make_qkv(case), seed, case, **case.kwargs())
+
+
+def test_value_head_dim_larger_than_qk_forward_matches_and_backward_raises(seed):
+    case = Case(hdim=64, hdim_v=256, window=(64, 32), nq=1000, nk=113, layout="bhnd")
+    q, k, v = make_qkv(case)
+    out, _ = ours_fn(q, k, v, **case.kwargs())
+    r_out, _ = ref_fn(True)(*(t.float() for t in (q, k, v)), **case.kwargs())
+    s_out, _ = ref_fn(False)(q, k, v, **case.kwargs())
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, case)
+    qg = q.detach().requires_grad_()
+    with pytest.raises(ValueError, match="head dim"):
+        o, _ = ours_fn(qg, k, v, **case.kwargs())
+        o.sum().backward()
 
 
 @pytest.mark.parametrize("case", [
