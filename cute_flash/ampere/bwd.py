@@ -44,7 +44,6 @@ fence per block, and a skew between neighbouring K/V blocks (block n trails bloc
 one query block), i.e. a pipeline fill of ~(number of K/V blocks per head) iterations.
 """
 
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -57,10 +56,9 @@ from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.mask import AttentionMask
 from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.kernels.softmax import score_scales
 
 from . import common
-
-LOG2_E = math.log2(math.e)
 
 
 def make_tiled_mmas(dtype, tiles):
@@ -150,13 +148,7 @@ class FlashBwdSm80:
         else:
             num_batch = mK.shape[3]
             seqlen_k = mK.shape[0]
-        # Same score transform as the forward: with softcap the tanh input is pre-scaled and
-        # softcap plays the role of the softmax scale afterwards.
-        score_scale = Float32(1.0)
-        scale_log2 = softmax_scale * Float32(LOG2_E)
-        if cutlass.const_expr(self.has_softcap):
-            score_scale = softmax_scale / softcap
-            scale_log2 = softcap * Float32(LOG2_E)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         # K/V block fastest: in deterministic mode block n waits on block n-1 of the same
         # (kv head, batch), which the in-order block dispatch has always started before it.
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)

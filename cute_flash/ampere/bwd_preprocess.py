@@ -14,18 +14,15 @@ One CTA per (query block, head, batch), ``tile_m`` = the main kernel's query til
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.kernels import bwd_math
 from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.kernels.softmax import LOG2_E
 
 from . import common
-
-LOG2_E = math.log2(math.e)
 
 
 class FlashBwdPreSm80:

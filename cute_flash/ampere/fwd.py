@@ -18,7 +18,7 @@ from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.layout import acc_to_frgA, acc_to_mn, transpose_smem
 from cute_flash.kernels.mask import AttentionMask
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import LOG2_E, OnlineSoftmax
+from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
 
 from . import common
 
@@ -72,13 +72,7 @@ class FlashFwdSm80:
         else:
             num_batch = mQ.shape[3]
             seqlen_q = mQ.shape[0]
-        # With softcap, scores become softcap*tanh(s*scale/softcap): the tanh input is pre-scaled
-        # and softcap plays the role of the softmax scale afterwards.
-        score_scale = Float32(1.0)
-        scale_log2 = softmax_scale * Float32(LOG2_E)
-        if cutlass.const_expr(self.has_softcap):
-            score_scale = softmax_scale / softcap
-            scale_log2 = softcap * Float32(LOG2_E)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
                     window_left, window_right, Storage).launch(

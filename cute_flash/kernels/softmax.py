@@ -19,6 +19,16 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
+    """(score_scale, scale_log2) shared by forward and backward. Without softcap the raw scores
+    go straight to exp2 with scale*log2(e) folded in (score_scale = 1). With softcap, scores become
+    softcap*tanh(s*scale/softcap): the tanh input is pre-scaled by scale/softcap and softcap*log2(e)
+    plays the softmax scale's role afterwards."""
+    if cutlass.const_expr(has_softcap):
+        return softmax_scale / softcap, softcap * Float32(LOG2_E)
+    return Float32(1.0), softmax_scale * Float32(LOG2_E)
+
+
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
