@@ -1,0 +1,138 @@
+"""Hopper (sm90a) forward: variant configs and a torch-side launcher for the FlashAttention-3 style
+kernel in ``cute_flash.hopper.fwd``.
+
+Compile-only groundwork: nothing here is wired into the public dispatch (``cute_flash.api`` keeps
+using the sm80 kernels on every GPU) until the kernel has been checked on an H200. The compiled
+function takes exactly the sm80 forward's arguments, so ``run_fwd_sm90`` mirrors ``fwd.run_fwd``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import torch
+
+from cute_flash import jit
+from cute_flash.fwd import normalize_window
+
+# (tile_m, tile_n, stages) per head dim: 2 consumer warpgroups of 64 rows each, K and V each in a
+# ``stages``-deep TMA pipeline. Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must
+# fit in the 227 KiB an sm90 block may use (d=256: 64 + 2*80 KiB = 224 KiB).
+SM90_FWD_TILES: dict[int, tuple[int, int, int]] = {
+    32: (128, 128, 2),
+    64: (128, 128, 2),
+    96: (128, 128, 2),
+    128: (128, 128, 2),
+    160: (128, 96, 2),
+    192: (128, 96, 2),
+    256: (128, 80, 2),
+}
+
+SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
+@dataclass(frozen=True)
+class FwdSm90Config(jit.KernelConfig):
+    """One sm90a forward variant (see ``FwdConfig`` for the meaning of the shared fields).
+
+    ``num_mma_wg`` consumer warpgroups own ``tile_m / num_mma_wg`` query rows each; one more
+    warpgroup produces (TMA). ``pingpong``: the consumer warpgroups take turns at the tensor
+    cores (named barriers), so one's softmax overlaps the other's GEMMs. ``intra_wg_overlap``:
+    QK^T of the next block is issued together with P V of the current one, and the softmax runs
+    while P V is in flight. Both default off until checked on a GPU. ``varlen`` is not
+    implemented yet (rejected).
+    """
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    hdim_v: int = 128
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    tile_m: int = 0
+    tile_n: int = 0
+    num_mma_wg: int = 2
+    stages: int = 0
+    pingpong: bool = False
+    intra_wg_overlap: bool = False
+
+    kernel_name = "fwd_sm90"
+
+    def __post_init__(self) -> None:
+        d = max(self.hdim, self.hdim_v)
+        if d not in SM90_FWD_TILES:
+            raise ValueError(f"sm90 forward: unsupported head dim {d}")
+        tm, tn, st = SM90_FWD_TILES[d]
+        if self.tile_m == 0:
+            object.__setattr__(self, "tile_m", tm)
+        if self.tile_n == 0:
+            object.__setattr__(self, "tile_n", tn)
+        if self.stages == 0:
+            object.__setattr__(self, "stages", st)
+        if self.tile_m != 64 * self.num_mma_wg:
+            raise ValueError("sm90 forward: tile_m must be 64 rows per consumer warpgroup")
+        if self.tile_n % 16 != 0 or self.stages < 2:
+            raise ValueError("sm90 forward: tile_n must be a multiple of 16 and stages >= 2")
+        if self.pingpong and self.num_mma_wg != 2:
+            raise ValueError("sm90 forward: ping-pong needs exactly 2 consumer warpgroups")
+        for flag in ("varlen",):
+            if getattr(self, flag):
+                raise NotImplementedError(f"sm90 forward: {flag} is not implemented yet")
+
+    def build(self):
+        from cute_flash.hopper.fwd import FlashFwdSm90
+
+        return FlashFwdSm90(self)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
+        if self.varlen:
+            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
+            q = jit.fake_tensor(dt, (tq, h, d), divisibility=div)
+            k = jit.fake_tensor(dt, (tk, hkv, d), divisibility=div)
+            v = jit.fake_tensor(dt, (tk, hkv, dv), divisibility=div)
+            o = jit.fake_tensor(dt, (tq, h, dv), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
+            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        else:
+            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+            q = jit.fake_tensor(dt, (b, nq, h, d), divisibility=div)
+            k = jit.fake_tensor(dt, (b, nk, hkv, d), divisibility=div)
+            v = jit.fake_tensor(dt, (b, nk, hkv, dv), divisibility=div)
+            o = jit.fake_tensor(dt, (b, nq, h, dv), divisibility=div)
+            lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
+            cu_q = cu_k = None
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
+
+
+def fwd_sm90_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
+                    varlen: bool, target: str | None = None) -> FwdSm90Config:
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    return FwdSm90Config(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                         local=local, softcap=softcap > 0.0, varlen=varlen)
+
+
+def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                 softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
+                 cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> None:
+    """Launch the sm90a forward on validated CUDA tensors (an H100/H200); same contract as
+    ``cute_flash.fwd.run_fwd``. Not used by the public API yet."""
+    causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    cfg = fwd_sm90_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen)
+    fn = jit.compile_kernel(cfg)
+    if varlen:
+        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
+            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    else:
+        mq = q.shape[1]
+    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
+       float(softcap) if softcap > 0 else 0.0, left, right, mq)

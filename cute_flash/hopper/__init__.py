@@ -1,0 +1,1 @@
+"""Hopper (sm90a) kernels: TMA + wgmma + mbarrier pipelines + warp specialization."""

@@ -1,0 +1,451 @@
+"""FlashAttention-3 style forward for Hopper (sm90a). Compile-only so far: not in the public dispatch.
+
+One CTA owns ``tile_m`` query rows of one (batch, head); its threads are 1 + ``num_mma_wg``
+warpgroups. Warpgroup 0 is the producer: it gives registers back (``setmaxnreg.dec``) and one of
+its warps issues TMA bulk-tensor loads, Q once and K, V block by block into two ``stages``-deep
+mbarrier pipelines (``PipelineTmaAsync``: the TMA's transaction count completes the full
+barrier, the consumers' per-warp arrivals complete the empty one). The consumer warpgroups take
+the registers (``setmaxnreg.inc``) and own 64 query rows each: S = Q K^T is an SS-wgmma straight
+from swizzled smem, the online softmax (exp2, scale folded, deferred normalisation) runs on the
+fp32 accumulator, P is converted to 16 bit in registers and O += P V is an RS-wgmma (A from
+registers, V^T read from smem as an MN-major operand). K/V blocks are walked last to first as in
+the sm80 kernel, so the partial block and the causal/window edge blocks are peeled and masked
+while the interior runs unmasked. TMA zero-fills rows past the tensor end (no predicates on the
+loads); the epilogue goes registers -> smem (Q's buffer) -> predicated 16-byte global stores.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_flash.ampere import common
+from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.layout import acc_to_mn, transpose_smem
+from cute_flash.kernels.mask import AttentionMask
+from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
+
+# Named barrier ids (0 is __syncthreads): the consumer warpgroups' epilogue barrier, then one
+# scheduling barrier per consumer warpgroup (ping-pong).
+BAR_EPILOGUE = 1
+BAR_SCHED = 2
+
+
+def acc_to_frgA_sm90(acc: cute.Tensor) -> cute.Tensor:
+    """sm90: the ((2, 2, N/8), MMA_M, MMA_N) wgmma C fragment of S = Q K^T, in 16 bit, is the
+    register A fragment of the k16 wgmma P V once every two n8 column groups are paired into one
+    k16 slice: ((2, 2, (2, N/16)), M, N) -> ((2, 2, 2), M, (N/16, MMA_N)). Same registers."""
+    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    s, d = lay.shape, lay.stride
+    new = cute.make_layout(((s[0][0], s[0][1], s[0][2][0]), s[1], (s[0][2][1], s[2])),
+                           stride=((d[0][0], d[0][1], d[0][2][0]), d[1], (d[0][2][1], d[2])))
+    return cute.make_tensor(acc.iterator, new)
+
+
+@cute.jit
+def wg_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+            zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int] = 0):
+    """acc (+)= A B^T on the tensor cores of this warpgroup, issued as one commit group; waits
+    until at most ``wg_wait`` groups are in flight (-1: no wait). ``wgmma.fence`` orders earlier
+    register writes (acc rescale, P) before the async MMAs."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is mutated along k.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+class FlashFwdSm90:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
+        self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
+        self.num_mma_wg = cfg.num_mma_wg
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = self.num_mma_threads + 128
+        self.is_causal, self.is_local = cfg.causal, cfg.local
+        self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+        self.pingpong, self.overlap = cfg.pingpong, cfg.intra_wg_overlap
+        # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups.
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 40
+        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        elem = self.dtype.width // 8
+        self.tx_Q = self.tile_m * self.hdim * elem
+        self.tx_K = self.tile_n * self.hdim * elem
+        self.tx_V = self.tile_n * self.hdim_v * elem
+
+    # ------------------------------------------------------------------------------------------
+    # Layouts and MMAs (built on the host for the TMA atoms, rebuilt inside the kernel)
+    # ------------------------------------------------------------------------------------------
+    def _smem(self, rows: int, cols: int, stages: int | None):
+        """K-major wgmma-canonical swizzled tile (128/64/32-byte swizzle by row width)."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _setup(self) -> None:
+        self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
+        self.sK_layout = self._smem(self.tile_n, self.hdim, self.num_stages)
+        self.sV_layout = self._smem(self.tile_n, self.hdim_v, self.num_stages)
+        self.sO_layout = self._smem(self.tile_m, self.hdim_v, None)
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        self.mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_n))
+        self.mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
+        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_mma_threads)
+
+    def _storage(self):
+        sq = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+        stages = self.num_stages
+
+        @cute.struct
+        class Storage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+
+        return Storage
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, stream):
+        self._setup()
+        Storage = self._storage()
+        mQ, mK, mV, mO = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mO)]
+        mLSE = common.lse_to_seq_head(mLSE)
+        # TMA descriptors are made on the host and passed to the kernel (grid-constant params).
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, self.hdim))
+        tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(self.sK_layout, mode=[0, 1]),
+                                                    (self.tile_n, self.hdim))
+        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.select(self.sV_layout, mode=[0, 1]),
+                                                    (self.tile_n, self.hdim_v))
+        num_batch = mQ.shape[3]
+        seqlen_q = mQ.shape[0]
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, tma_Q, tma_K, tma_V, score_scale, scale_log2,
+                    window_left, window_right, Storage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+               score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
+               Storage: cutlass.Constexpr):
+        self._setup()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m_block, head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_Q)
+            cpasync.prefetch_descriptor(tma_K)
+            cpasync.prefetch_descriptor(tma_V)
+
+        storage = SmemAllocator().allocate(Storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # TMA pipelines: one elected lane per consumer warp arrives on the empty barrier.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_Q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_K, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_V, defer_sync=True)
+        # Barrier inits visible to the async proxy and to every thread before first use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        sQ = storage.sQ.get_tensor(self.sQ_layout.outer, swizzle=self.sQ_layout.inner)
+        sO = storage.sQ.get_tensor(self.sO_layout.outer, swizzle=self.sO_layout.inner)
+        sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
+        sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
+
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0])
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                               window_left, window_right)
+        n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
+        right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
+        left_end = block_info.n_block_left_mask_end(seqlen, m_block, n_block_min)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, seqlen,
+                          m_block, head, batch, n_block_min, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen, m_block, head, batch,
+                         n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
+                         window_left, window_right)
+
+    # ------------------------------------------------------------------------------------------
+    # Producer warp
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+             seqlen: SeqlenInfo, m_block, head, batch, n_block_min, n_block_max):
+        # GQA/MQA: query head h reads kv head h // (H / H_kv).
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        # Q always (even with no K/V block to visit: the consumers wait for it before reusing its
+        # buffer for O). Rows past the sequence end are zero-filled by the TMA unit.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        n_block = n_block_max - 1
+        for _ in cutlass.range(n_block_max - n_block_min, unroll=1):
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+            n_block -= 1
+
+    # ------------------------------------------------------------------------------------------
+    # Consumer warpgroups
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block,
+                head, batch, n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
+                window_left, window_right):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        thr_qk = self.mma_qk.get_slice(tidx)
+        thr_pv = self.mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
+        acc_O.fill(0.0)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]))
+        softmax.reset()
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right)
+        # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
+        # iterations); same compact layout as the S accumulator.
+        rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O,
+                         rP=rP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, pipe_k=pipe_k,
+                         pipe_v=pipe_v, n_block_min=n_block_min, score_scale=score_scale, wg=wg)
+        if cutlass.const_expr(self.pingpong):
+            # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        if n_block_max > n_block_min:
+            self.mainloop(ctx, n_block_max, right_start, left_end)
+
+        row_scale = softmax.finalize()
+        OnlineSoftmax.rescale(acc_O, row_scale)
+        self.epilogue(ctx, mO, mLSE, sO, tidx, head, batch)
+
+    # Ping-pong scheduling (``pingpong``): the consumer warpgroups take turns issuing their GEMMs,
+    # so one warpgroup's softmax overlaps the other's MMAs. Warpgroup w waits on barrier
+    # BAR_SCHED + w (its turn) and, once its GEMMs are issued, arrives on the next warpgroup's.
+    def sched_sync(self, ctx) -> None:
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=BAR_SCHED + ctx.wg, number_of_threads=256)
+
+    def sched_arrive(self, ctx) -> None:
+        if cutlass.const_expr(self.pingpong):
+            nxt = (ctx.wg + 1) % self.num_mma_wg
+            cute.arch.barrier_arrive(barrier_id=BAR_SCHED + nxt, number_of_threads=256)
+
+    @cute.jit
+    def mainloop(self, ctx, n_block_max: Int32, right_start: Int32, left_end: Int32):
+        """K/V blocks from last to first: masked edge blocks, then the unmasked interior."""
+        n_block_min = ctx.n_block_min
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        edge_right = self.is_causal or self.is_local
+        if cutlass.const_expr(self.overlap):
+            # S and P of the first block; its P V is issued together with the next block's QK^T.
+            self.first_half(ctx, state, n_block_max - 1, mask_right=edge_right, mask_left=self.is_local)
+        else:
+            self.sched_sync(ctx)
+            state = self.one_block(ctx, state, n_block_max - 1, is_first=True, partial=True,
+                                   mask_right=edge_right, mask_left=self.is_local)
+        n_block = n_block_max - 2
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            # Blocks on the diagonal band: masked on the right (and left for narrow windows).
+            lo = cutlass.max(right_start, n_block_min)
+            for _ in cutlass.range(n_block - lo + 1, unroll=1):
+                state = self.step(ctx, state, n_block, mask_right=True, mask_left=self.is_local)
+                n_block -= 1
+        # Interior blocks: no mask at all.
+        lo = cutlass.max(left_end, n_block_min)
+        for _ in cutlass.range(n_block - lo + 1, unroll=1):
+            state = self.step(ctx, state, n_block, mask_right=False, mask_left=False)
+            n_block -= 1
+        if cutlass.const_expr(self.is_local):
+            # Left edge of the window.
+            for _ in cutlass.range(n_block - n_block_min + 1, unroll=1):
+                state = self.step(ctx, state, n_block, mask_right=False, mask_left=True)
+                n_block -= 1
+        if cutlass.const_expr(self.overlap):
+            self.last_half(ctx, state)
+        else:
+            self.sched_arrive(ctx)
+
+    @cute.jit
+    def step(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
+             mask_left: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(self.overlap):
+            return self.one_block_overlap(ctx, state, n_block, mask_right=mask_right, mask_left=mask_left)
+        return self.one_block(ctx, state, n_block, is_first=False, partial=False, mask_right=mask_right,
+                              mask_left=mask_left)
+
+    @cute.jit
+    def scores(self, ctx, acc_S, n_block: Int32, is_first: cutlass.Constexpr[bool],
+               partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+               mask_left: cutlass.Constexpr[bool]):
+        """Softcap, mask and online softmax of one S block; returns the O rescale factors."""
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
+        if cutlass.const_expr(partial or mask_right or mask_left):
+            ctx.mask.apply_mask(acc_S, ctx.thr_qk, ctx.m_block, n_block, mask_seqlen=partial,
+                                mask_causal=mask_right and self.is_causal,
+                                mask_local=(mask_right or mask_left) and self.is_local)
+        return ctx.softmax.online_softmax(acc_S, is_first=is_first)
+
+    @cute.jit
+    def one_block(self, ctx, state, n_block: Int32, is_first: cutlass.Constexpr[bool],
+                  partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+                  mask_left: cutlass.Constexpr[bool]):
+        """No intra-warpgroup overlap: S = Q K^T, softmax, O += P V, in order. With ping-pong the
+        turn spans this block's P V and the next block's Q K^T."""
+        acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        # S = Q K^T (SS-wgmma); K's stage goes back to the producer as soon as it is consumed.
+        ctx.pipe_k.consumer_wait(state)
+        wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
+                wg_wait=-1)
+        self.sched_arrive(ctx)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(state)
+        row_scale = self.scores(ctx, acc_S, n_block, is_first, partial, mask_right, mask_left)
+        if cutlass.const_expr(not is_first):
+            OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        ctx.rP.store(acc_S.load().to(self.dtype))
+        # O += P V (RS-wgmma: P from registers).
+        ctx.pipe_v.consumer_wait(state)
+        self.sched_sync(ctx)
+        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
+                zero_init=False)
+        ctx.pipe_v.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def first_half(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
+                   mask_left: cutlass.Constexpr[bool]):
+        """Intra-warpgroup overlap, first block: S, softmax and P only (its V stays acquired)."""
+        acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        ctx.pipe_k.consumer_wait(state)
+        wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True)
+        ctx.pipe_k.consumer_release(state)
+        self.scores(ctx, acc_S, n_block, True, True, mask_right, mask_left)
+        ctx.rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def one_block_overlap(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
+                          mask_left: cutlass.Constexpr[bool]):
+        """Intra-warpgroup overlap: S(n) = Q K(n)^T and O += P(n+1) V(n+1) are issued back to back;
+        the softmax of S(n) runs while P V is still on the tensor cores. ``state`` is block n+1's
+        stage (its V not consumed yet)."""
+        v_state = state.clone()
+        state.advance()
+        acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        ctx.pipe_k.consumer_wait(state)
+        self.sched_sync(ctx)
+        wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
+                wg_wait=-1)
+        ctx.pipe_v.consumer_wait(v_state)
+        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
+                zero_init=False, wg_wait=-1)
+        self.sched_arrive(ctx)
+        warpgroup.wait_group(1)  # S(n) is ready; P V may still run
+        ctx.pipe_k.consumer_release(state)
+        row_scale = self.scores(ctx, acc_S, n_block, False, False, mask_right, mask_left)
+        warpgroup.wait_group(0)  # P V done: O and P may change
+        ctx.pipe_v.consumer_release(v_state)
+        OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        ctx.rP.store(acc_S.load().to(self.dtype))
+        return state
+
+    @cute.jit
+    def last_half(self, ctx, state):
+        """Intra-warpgroup overlap: P V of the last block visited."""
+        ctx.pipe_v.consumer_wait(state)
+        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
+                zero_init=False)
+        ctx.pipe_v.consumer_release(state)
+
+    @cute.jit
+    def epilogue(self, ctx, mO, mLSE, sO, tidx, head, batch):
+        seqlen = ctx.seqlen
+        rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
+        # LSE: the lane holding column 0 of a row writes it (-inf for rows that saw no key).
+        gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
+        cO = acc_to_mn(ctx.thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        if cO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(ctx.softmax.row_sum)):
+                row = cO[r, 0][0]
+                if row < rows_left:
+                    gLSE[row] = ctx.softmax.row_sum[r]
+
+        # O: registers -> smem (Q's buffer) -> 16-byte predicated global stores.
+        rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
+        rO.store(ctx.acc_O.load().to(self.dtype))
+        # Every consumer warpgroup is done reading Q (its wgmmas were waited for).
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
+                                     self.mma_pv).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        gO = cute.local_tile(seqlen.q_rows(mO, head, batch), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
+        common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
+                          rows_left)
