@@ -40,8 +40,8 @@ class FwdSm90Config(jit.KernelConfig):
     warpgroup produces (TMA). ``pingpong``: the consumer warpgroups take turns at the tensor
     cores (named barriers), so one's softmax overlaps the other's GEMMs. ``intra_wg_overlap``:
     QK^T of the next block is issued together with P V of the current one, and the softmax runs
-    while P V is in flight. Both default off until checked on a GPU. ``varlen`` is not
-    implemented yet (rejected).
+    while P V is in flight. Both default off until checked on a GPU. ``varlen``: packed
+    (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
     """
 
     dtype: str = "bf16"
@@ -71,15 +71,13 @@ class FwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "tile_n", tn)
         if self.stages == 0:
             object.__setattr__(self, "stages", st)
+        if self.num_mma_wg != 2:
+            # Three consumer warpgroups (tile_m 192, 160 registers each) compile with spills.
+            raise ValueError("sm90 forward: only 2 consumer warpgroups are supported")
         if self.tile_m != 64 * self.num_mma_wg:
             raise ValueError("sm90 forward: tile_m must be 64 rows per consumer warpgroup")
         if self.tile_n % 16 != 0 or self.stages < 2:
             raise ValueError("sm90 forward: tile_n must be a multiple of 16 and stages >= 2")
-        if self.pingpong and self.num_mma_wg != 2:
-            raise ValueError("sm90 forward: ping-pong needs exactly 2 consumer warpgroups")
-        for flag in ("varlen",):
-            if getattr(self, flag):
-                raise NotImplementedError(f"sm90 forward: {flag} is not implemented yet")
 
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90

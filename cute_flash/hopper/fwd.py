@@ -77,8 +77,10 @@ class FlashFwdSm90:
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.pingpong, self.overlap = cfg.pingpong, cfg.intra_wg_overlap
-        # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups.
-        self.producer_regs = 24 if self.num_mma_wg == 2 else 40
+        # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups
+        # (32 * 128 + 160 * 384 = 65536 with three; that layout spills today and is rejected by
+        # the config).
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
@@ -144,12 +146,19 @@ class FlashFwdSm90:
                                                     (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.select(self.sV_layout, mode=[0, 1]),
                                                     (self.tile_n, self.hdim_v))
-        num_batch = mQ.shape[3]
-        seqlen_q = mQ.shape[0]
+        if cutlass.const_expr(self.varlen):
+            # Packed (T, d, H): the TMA boxes start at each batch's first row (cu_seqlens), so a
+            # box may run into the next batch's rows; those keys are masked (seqlen mask) and
+            # those query rows are never stored.
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            seqlen_q = max_seqlen_q
+        else:
+            num_batch = mQ.shape[3]
+            seqlen_q = mQ.shape[0]
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, tma_Q, tma_K, tma_V, score_scale, scale_log2,
-                    window_left, window_right, Storage).launch(
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
+                    score_scale, scale_log2, window_left, window_right, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -157,9 +166,9 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-               score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-               Storage: cutlass.Constexpr):
+               mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+               tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, score_scale: Float32,
+               scale_log2: Float32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = cute.arch.block_idx()
@@ -190,7 +199,18 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
 
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0])
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows
+        # (the whole CTA leaves together: the condition is uniform).
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            self.attend_tile(mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                             pipe_v, seqlen, score_scale, scale_log2, window_left, window_right, warp_idx,
+                             m_block, head, batch)
+
+    @cute.jit
+    def attend_tile(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                    pipe_v, seqlen: SeqlenInfo, score_scale, scale_log2, window_left, window_right,
+                    warp_idx, m_block, head, batch):
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                window_left, window_right)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
