@@ -145,6 +145,10 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+# Opt-in until the kernel has run once: an mbarrier/phase mistake hangs the GPU instead of failing,
+# and would stall the whole GPU suite (scripts/device_run.sh).
+@pytest.mark.skipif(os.environ.get("CUTE_FLASH_TEST_SM90") != "1",
+                    reason="unverified sm90 kernel: set CUTE_FLASH_TEST_SM90=1 (under a timeout)")
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
     import math
