@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import cutlass
@@ -126,7 +125,3 @@ def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         mq = q.shape[1]
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if softcap > 0 else 0.0, left, right, mq)
-
-
-def default_scale(hdim: int) -> float:
-    return 1.0 / math.sqrt(hdim)
