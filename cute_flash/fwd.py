@@ -59,29 +59,36 @@ class FwdConfig(jit.KernelConfig):
         return FlashFwdSm80(self)
 
     def fake_args(self) -> tuple:
-        dt = jit.DTYPES[self.dtype]
-        div = jit.vec_div(dt)
-        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
-        if self.varlen:
-            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
-            q = jit.fake_tensor(dt, (tq, h, d), divisibility=div)
-            k = jit.fake_tensor(dt, (tk, hkv, d), divisibility=div)
-            v = jit.fake_tensor(dt, (tk, hkv, dv), divisibility=div)
-            o = jit.fake_tensor(dt, (tq, h, dv), divisibility=div)
-            lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
-            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-        else:
-            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
-            q = jit.fake_tensor(dt, (b, nq, h, d), divisibility=div)
-            k = jit.fake_tensor(dt, (b, nk, hkv, d), divisibility=div)
-            v = jit.fake_tensor(dt, (b, nk, hkv, dv), divisibility=div)
-            o = jit.fake_tensor(dt, (b, nq, h, dv), divisibility=div)
-            lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
-            cu_q = cu_k = None
-        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
-                   cutlass.Int32(0))
-        return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
+        return fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+
+
+def fwd_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool) -> tuple:
+    """Compile arguments of every forward kernel (sm80 and sm90 share the call signature):
+    (q, k, v, o, lse, cu_q, cu_k, softmax_scale, softcap, window_left, window_right, max_seqlen_q,
+    stream), flash-attn layouts, extents and strides symbolic."""
+    dt = jit.DTYPES[dtype]
+    div = jit.vec_div(dt)
+    h, hkv, d, dv = jit.sym(), jit.sym(), hdim, hdim_v
+    if varlen:
+        tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
+        q = jit.fake_tensor(dt, (tq, h, d), divisibility=div)
+        k = jit.fake_tensor(dt, (tk, hkv, d), divisibility=div)
+        v = jit.fake_tensor(dt, (tk, hkv, dv), divisibility=div)
+        o = jit.fake_tensor(dt, (tq, h, dv), divisibility=div)
+        lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
+        cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+    else:
+        b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+        q = jit.fake_tensor(dt, (b, nq, h, d), divisibility=div)
+        k = jit.fake_tensor(dt, (b, nk, hkv, d), divisibility=div)
+        v = jit.fake_tensor(dt, (b, nk, hkv, dv), divisibility=div)
+        o = jit.fake_tensor(dt, (b, nq, h, dv), divisibility=div)
+        lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
+        cu_q = cu_k = None
+    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+               cutlass.Int32(0))
+    return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
 
 
 def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, bool, int, int]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cutlass
 import torch
 
 from cute_flash import jit
-from cute_flash.fwd import normalize_window
+from cute_flash.fwd import fwd_fake_args, normalize_window
 
 # (tile_m, tile_n, stages) per head dim: 2 consumer warpgroups of 64 rows each, K and V each in a
 # ``stages``-deep TMA pipeline. Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must
@@ -85,29 +84,7 @@ class FwdSm90Config(jit.KernelConfig):
         return FlashFwdSm90(self)
 
     def fake_args(self) -> tuple:
-        dt = jit.DTYPES[self.dtype]
-        div = jit.vec_div(dt)
-        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
-        if self.varlen:
-            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
-            q = jit.fake_tensor(dt, (tq, h, d), divisibility=div)
-            k = jit.fake_tensor(dt, (tk, hkv, d), divisibility=div)
-            v = jit.fake_tensor(dt, (tk, hkv, dv), divisibility=div)
-            o = jit.fake_tensor(dt, (tq, h, dv), divisibility=div)
-            lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
-            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-        else:
-            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
-            q = jit.fake_tensor(dt, (b, nq, h, d), divisibility=div)
-            k = jit.fake_tensor(dt, (b, nk, hkv, d), divisibility=div)
-            v = jit.fake_tensor(dt, (b, nk, hkv, dv), divisibility=div)
-            o = jit.fake_tensor(dt, (b, nq, h, dv), divisibility=div)
-            lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
-            cu_q = cu_k = None
-        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
-                   cutlass.Int32(0))
-        return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
+        return fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
 
 
 def fwd_sm90_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
