@@ -106,24 +106,27 @@ def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, 
 
 
 def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
-               varlen: bool, target: str | None = None) -> FwdConfig:
+               varlen: bool, target: str | None = None, config_cls: type = FwdConfig) -> jit.KernelConfig:
+    """The variant of ``config_cls`` (sm80 ``FwdConfig`` or sm90 ``FwdSm90Config``) for these inputs."""
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    return FwdConfig(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
-                     local=local, softcap=softcap > 0.0, varlen=varlen)
+    return config_cls(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                      local=local, softcap=softcap > 0.0, varlen=varlen)
 
 
 def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
             softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
             softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
-            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> None:
+            cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+            config_cls: type = FwdConfig) -> None:
     """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place.
 
     q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
-    lse (B, H, Nq) | (H, Tq) float32.
+    lse (B, H, Nq) | (H, Tq) float32. Every forward kernel family shares this call signature;
+    ``config_cls`` picks the family (sm80 by default).
     """
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
-    cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen)
+    cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen, config_cls=config_cls)
     fn = jit.compile_kernel(cfg)
     if varlen:
         mq = int(max_seqlen_q) if max_seqlen_q is not None else int(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash import jit
-from cute_flash.fwd import fwd_fake_args, normalize_window
+from cute_flash.fwd import fwd_fake_args, run_fwd
 
 # (tile_m, tile_n, stages) per head dim: 2 consumer warpgroups of 64 rows each, K and V each in a
 # ``stages``-deep TMA pipeline. Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must
@@ -87,27 +87,8 @@ class FwdSm90Config(jit.KernelConfig):
         return fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
 
 
-def fwd_sm90_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
-                    varlen: bool, target: str | None = None) -> FwdSm90Config:
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    return FwdSm90Config(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
-                         local=local, softcap=softcap > 0.0, varlen=varlen)
-
-
-def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
-                 softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
-                 cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None) -> None:
-    """Launch the sm90a forward on validated CUDA tensors (an H100/H200); same contract as
-    ``cute_flash.fwd.run_fwd``. Not used by the public API yet."""
-    causal, local, left, right = normalize_window(causal, window_size)
-    varlen = cu_seqlens_q is not None
-    cfg = fwd_sm90_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen)
-    fn = jit.compile_kernel(cfg)
-    if varlen:
-        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
-            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    else:
-        mq = q.shape[1]
-    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
-       float(softcap) if softcap > 0 else 0.0, left, right, mq)
+def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 **kwargs) -> None:
+    """Launch the sm90a forward on validated CUDA tensors (an H100/H200); same contract and keyword
+    arguments as ``cute_flash.fwd.run_fwd``. Not used by the public API yet."""
+    run_fwd(q, k, v, out, lse, config_cls=FwdSm90Config, **kwargs)
