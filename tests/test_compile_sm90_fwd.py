@@ -156,6 +156,7 @@ def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
     import torch
 
     from cute_flash import fwd_sm90
+    from cute_flash.fwd import normalize_window
     from cute_flash.reference import attention_ref
 
     B, Nq, Nk, H, Hkv, d, causal, window, softcap, varlen, pingpong, overlap = case
@@ -179,7 +180,7 @@ def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
     out = torch.full_like(q, float("nan"))
     scale = 1.0 / math.sqrt(d)
     # Through the config directly, so the ping-pong / overlap switches can be set.
-    c, local, left, right = fwd_sm90.normalize_window(causal, window)
+    c, local, left, right = normalize_window(causal, window)
     cfg = fwd_sm90.FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=c, local=local,
                                  softcap=softcap > 0, varlen=varlen, pingpong=pingpong,
                                  intra_wg_overlap=overlap)
