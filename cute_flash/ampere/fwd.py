@@ -15,7 +15,7 @@ from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
 from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.layout import acc_to_frgA, acc_to_mn, transpose_smem
+from cute_flash.kernels.layout import acc_to_frgA, transpose_smem
 from cute_flash.kernels.mask import AttentionMask
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
@@ -257,12 +257,7 @@ class FlashFwdSm80:
         rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
         # LSE: the lane holding column 0 of a row writes it.
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
-        cO = acc_to_mn(ctx.thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
-        if cO[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(ctx.softmax.row_sum)):
-                row = cO[r, 0][0]
-                if row < rows_left:
-                    gLSE[row] = ctx.softmax.row_sum[r]
+        ctx.softmax.store_lse(ctx.thr_mma, gLSE, self.tile_m, self.hdim_v, rows_left)
 
         # O: registers -> smem (reusing Q's buffer) -> 16-byte coalesced global stores.
         rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)

@@ -450,12 +450,7 @@ class FlashFwdSm90:
         rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
         # LSE: the lane holding column 0 of a row writes it (-inf for rows that saw no key).
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
-        cO = acc_to_mn(ctx.thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
-        if cO[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(ctx.softmax.row_sum)):
-                row = cO[r, 0][0]
-                if row < rows_left:
-                    gLSE[row] = ctx.softmax.row_sum[r]
+        ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)
 
         # O: registers -> smem (Q's buffer) -> 16-byte predicated global stores.
         rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)

@@ -86,3 +86,15 @@ class OnlineSoftmax:
         acc_mn = acc_to_mn(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def store_lse(self, thr_mma, gLSE: cute.Tensor, tile_m: int, tile_n: int, rows_left) -> None:
+        """Write the per-row LSE (after ``finalize``) of one query tile: the lane holding column 0
+        of a row writes it, rows past the sequence end are dropped. Works for any accumulator
+        layout ``thr_mma.partition_C`` describes (mma.sync and wgmma)."""
+        coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
+        if coords[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+                row = coords[r, 0][0]
+                if row < rows_left:
+                    gLSE[row] = self.row_sum[r]
