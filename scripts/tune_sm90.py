@@ -1,0 +1,94 @@
+"""sm90 forward variants on the GPU (developer tool): TFLOP/s of each (ping-pong, intra-warpgroup
+overlap, tile) candidate beside cuDNN and flash-attn-4 in the same run, each output checked
+against SDPA-flash's (relative L2; a wrong variant is flagged, not timed as if it were right).
+
+    python scripts/tune_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1] [--tiles d:tm,tn,st ...]
+"""
+
+import argparse
+import math
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cute_flash import jit
+from cute_flash.fwd_sm90 import FwdSm90Config
+
+SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[8192])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--tiles", nargs="*", default=[], help="extra d:tile_m,tile_n,stages candidates")
+    ap.add_argument("--switches", default="all", choices=["all", "best"])
+    args = ap.parse_args()
+    extra: dict[int, list[tuple[int, int, int]]] = {}
+    for t in args.tiles:
+        d, rest = t.split(":")
+        extra.setdefault(int(d), []).append(tuple(int(x) for x in rest.split(",")))
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception:  # noqa: BLE001 - absent peer is just skipped
+        fa4 = None
+    for d in args.hdim:
+        for n in args.seqlen:
+            b, h = max(1, 16384 // n), 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(n + d)
+            q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                       for _ in range(3))
+            for causal in map(bool, args.causal):
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                ref = sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal).float()
+                line = [f"d={d} N={n} causal={int(causal)}"]
+                qkv = (q, k, v)
+                peers = [("cudnn", lambda c=causal, t=qkv: sdpa(SDPBackend.CUDNN_ATTENTION, *t, c))]
+                if fa4 is not None:
+                    peers.append(("fa4", lambda c=causal, t=qkv: fa4(*t, causal=c)))
+                for name, fn in peers:
+                    try:
+                        line.append(f"{name} {flops / bench(fn) / 1e9:.0f}")
+                    except Exception as e:  # noqa: BLE001
+                        line.append(f"{name} err {type(e).__name__}")
+                print("  ".join(line), flush=True)
+                tiles = [None] + extra.get(d, [])
+                switches = SWITCHES if args.switches == "all" else [(True, True)]
+                for tile in tiles:
+                    for pp, ov in switches:
+                        kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
+                        tag = f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)}"
+                        try:
+                            cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
+                                                pingpong=pp, intra_wg_overlap=ov, **kw)
+                            kern = jit.compile_kernel(cfg)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"{tag}: compile failed {e!r:.300}", flush=True)
+                            continue
+                        out = torch.full_like(q, float("nan"))
+                        lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+                        call = (q, k, v, out, lse, None, None, 1.0 / math.sqrt(d), 0.0, -1, -1, n)
+                        kern(*call)
+                        torch.cuda.synchronize()
+                        err = float((out.float() - ref).norm() / ref.norm())
+                        if not err < 2e-2:
+                            print(f"{tag}: WRONG rel-L2 {err:.3g}", flush=True)
+                            continue
+                        ms = bench(lambda kern=kern, call=call: kern(*call))
+                        print(f"{tag}: {flops / ms / 1e9:.0f} TFLOP/s (rel-L2 {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
