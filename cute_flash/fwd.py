@@ -1,7 +1,14 @@
-"""Forward pass: variant configs and the torch-side launcher."""
+"""Forward pass: variant configs, the choice of kernel family, and the torch-side launcher.
+
+Two forward families share one compiled call signature: the sm80 FlashAttention-2 kernel
+(``FwdConfig``, runs on every sm80+ GPU) and the sm90a FlashAttention-3 kernel
+(``cute_flash.fwd_sm90.FwdSm90Config``, Hopper only). ``fwd_family`` picks one per launch; the
+backward is the sm80 family on every GPU.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import cutlass
@@ -105,6 +112,47 @@ def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, 
     return causal, local, left, right
 
 
+# Which forward family runs: "auto" (sm90 on Hopper for the head dims it has, else sm80), or one
+# family forced. Read at every launch, so tests and benchmarks can switch it per call.
+FWD_KERNEL_ENV = "CUTE_FLASH_FWD_KERNEL"
+FWD_KERNEL_CHOICES = ("auto", "sm80", "sm90")
+
+
+def sm90_supports(hdim: int, hdim_v: int) -> bool:
+    """Whether the sm90 forward has a tile configuration for these head dims."""
+    from cute_flash.fwd_sm90 import SM90_FWD_TILES  # lazy: fwd_sm90 imports this module
+
+    return max(hdim, hdim_v) in SM90_FWD_TILES
+
+
+def fwd_family(device: torch.device | int | str | None = None, hdim: int | None = None,
+               hdim_v: int | None = None) -> type:
+    """The forward config class to launch on ``device`` (default: the current CUDA device).
+
+    ``CUTE_FLASH_FWD_KERNEL`` (read now, not at import): ``auto`` (default) takes the sm90 family
+    on a compute capability 9.x GPU when it supports the head dims (``max(hdim, hdim_v)``; both
+    unknown counts as supported) and the sm80 family everywhere else; ``sm80`` forces the FA2
+    kernel (on any sm80+ GPU, Hopper included, e.g. for comparisons); ``sm90`` forces the FA3
+    kernel and raises ``ValueError`` on a GPU that is not Hopper.
+    """
+    choice = os.environ.get(FWD_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in FWD_KERNEL_CHOICES:
+        raise ValueError(f"{FWD_KERNEL_ENV} must be one of {', '.join(FWD_KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "sm80":
+        return FwdConfig
+    from cute_flash.fwd_sm90 import FwdSm90Config
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        if choice == "sm90":
+            raise ValueError(f"{FWD_KERNEL_ENV}=sm90: the sm90 forward (wgmma, TMA) needs a Hopper GPU "
+                             f"(compute capability 9.x); this one is {major}.{minor}. Use sm80 or auto.")
+        return FwdConfig
+    if choice == "auto" and hdim is not None and not sm90_supports(hdim, hdim if hdim_v is None else hdim_v):
+        return FwdConfig
+    return FwdSm90Config
+
+
 def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
                varlen: bool, target: str | None = None, config_cls: type = FwdConfig) -> jit.KernelConfig:
     """The variant of ``config_cls`` (sm80 ``FwdConfig`` or sm90 ``FwdSm90Config``) for these inputs."""
@@ -117,13 +165,15 @@ def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
             softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
             cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-            config_cls: type = FwdConfig) -> None:
+            config_cls: type | None = None) -> None:
     """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place.
 
     q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
     lse (B, H, Nq) | (H, Tq) float32. Every forward kernel family shares this call signature;
-    ``config_cls`` picks the family (sm80 by default).
+    ``config_cls`` picks the family, ``None`` meaning ``fwd_family`` (sm90 on Hopper, else sm80).
     """
+    if config_cls is None:
+        config_cls = fwd_family(q.device, q.shape[-1], v.shape[-1])
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
     cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen, config_cls=config_cls)

@@ -41,8 +41,8 @@ class FwdSm90Config(jit.KernelConfig):
     warpgroup produces (TMA). ``pingpong``: the consumer warpgroups take turns at the tensor
     cores (named barriers), so one's softmax overlaps the other's GEMMs. ``intra_wg_overlap``:
     QK^T of the next block is issued together with P V of the current one, and the softmax runs
-    while P V is in flight. Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``. ``varlen``: packed
-    (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
+    while P V is in flight. Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``.
+    ``varlen``: packed (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
     """
 
     dtype: str = "bf16"
@@ -66,7 +66,7 @@ class FwdSm90Config(jit.KernelConfig):
         if d not in SM90_FWD_TILES:
             raise ValueError(f"sm90 forward: unsupported head dim {d}")
         defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong", "intra_wg_overlap"),
-                            SM90_FWD_TILES[d]))
+                            SM90_FWD_TILES[d], strict=True))
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():

@@ -39,14 +39,17 @@ def _alloc_bwd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]
 
 
 def _kernel_view(t: Tensor) -> Tensor:
-    """``t`` with stride 0 on every extent-1 dim whose stride is not 16-byte aligned. Such strides
-    never address anything (validation ignores them), but the compiled kernels declare every
-    stride 16-byte divisible and would refuse the tensor at the call boundary."""
-    vec = max(validate.ALIGN_BYTES // t.element_size(), 1)
+    """``t`` with stride 0 on every extent-1 dim whose stride is not 16-byte aligned or too large
+    for a TMA descriptor. Such strides never address anything (validation ignores them), but the
+    compiled kernels declare every stride 16-byte divisible and would refuse the tensor at the
+    call boundary, and the sm90 forward encodes every stride into its TMA descriptors."""
+    elem = t.element_size()
+    vec = max(validate.ALIGN_BYTES // elem, 1)
     strides = list(t.stride())
     changed = False
     for dim in range(t.dim() - 1):
-        if t.shape[dim] == 1 and strides[dim] % vec != 0:
+        if t.shape[dim] == 1 and (strides[dim] % vec != 0
+                                  or strides[dim] * elem >= validate.TMA_MAX_STRIDE_BYTES):
             strides[dim] = 0
             changed = True
     return t.as_strided(t.shape, strides) if changed else t

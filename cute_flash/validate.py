@@ -8,6 +8,12 @@ devices, shapes, strides, alignment and argument values raise ``ValueError``.
 The same contract is enforced on every device: the CPU implementation of the ops (the reference)
 accepts exactly what the CUDA kernels accept, so CPU tests of these checks hold for the GPU.
 
+The layout rules are the union of what both forward families need: the sm80 kernels' 16-byte
+vector loads, and the TMA (tensor memory accelerator) descriptors of the sm90 forward, which take a
+16-byte aligned base address, a unit-stride last dim and the other strides 16-byte multiples below
+2^40 bytes. Strides of extent-1 dims are never used to address anything and are ignored here; the
+launchers hand the kernels stride 0 for those when theirs would break a rule (``ops._kernel_view``).
+
 Checks on tensor *metadata* run on fake tensors too (``torch.compile`` tracing); checks that read
 *data* (pointer alignment, cu_seqlens values) need real tensors and are switched by
 ``check_data``.
@@ -23,8 +29,13 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-# The kernels move rows with 16-byte vector loads, so every row has to start 16-byte aligned.
+# The sm80 kernels move rows with 16-byte vector loads, and TMA (the sm90 forward) takes only
+# 16-byte aligned base addresses and strides: every row has to start 16-byte aligned.
 ALIGN_BYTES = 16
+# A TMA descriptor holds each stride in bytes in fewer than 40 bits.
+TMA_MAX_STRIDE_BYTES = 2**40
+# Compiled kernels take every extent as an int32 (the call boundary rejects larger ones).
+MAX_EXTENT = 2**31 - 1
 _DEVICE_TYPES = ("cuda", "cpu", "meta")  # meta: shape inference only (the fake implementations)
 
 
@@ -64,19 +75,30 @@ def check_dtypes(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def check_layout(name: str, t: torch.Tensor, *, check_data: bool = True) -> None:
-    """Unit stride in the last dim, the other strides multiples of 16 bytes, a 16-byte aligned
-    start. Strides of dims of extent <= 1 are never used to address anything and are ignored."""
+    """Unit stride in the last dim, the other strides multiples of 16 bytes and below 2^40 bytes
+    (TMA), a 16-byte aligned start, int32 extents. Strides of dims of extent <= 1 are never used
+    to address anything and are ignored."""
     if t.dim() == 0:
         raise ValueError(f"{name} must not be a scalar")
+    for dim, n in enumerate(t.shape):
+        if n > MAX_EXTENT:
+            raise ValueError(f"{name}.shape[{dim}] = {n} is too large: the kernels take extents up to "
+                             f"2^31 - 1, got shape {tuple(t.shape)}")
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1), "
                          f"got strides {tuple(t.stride())}")
     elem = t.element_size()
     vec = max(ALIGN_BYTES // elem, 1)
     for dim in range(t.dim() - 1):
-        if t.shape[dim] > 1 and t.stride(dim) % vec != 0:
+        if t.shape[dim] <= 1:
+            continue
+        if t.stride(dim) % vec != 0:
             raise ValueError(f"{name}.stride({dim}) must be a multiple of {vec} elements "
-                             f"({ALIGN_BYTES} bytes) for vector loads, got strides {tuple(t.stride())}")
+                             f"({ALIGN_BYTES} bytes) for vector loads and TMA, got strides "
+                             f"{tuple(t.stride())}")
+        if t.stride(dim) * elem >= TMA_MAX_STRIDE_BYTES:
+            raise ValueError(f"{name}.stride({dim}) must be below 2^40 bytes (a TMA descriptor's "
+                             f"limit), got strides {tuple(t.stride())}")
     if check_data and t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % ALIGN_BYTES != 0:
         raise ValueError(f"{name} must start at a {ALIGN_BYTES}-byte aligned address, got data_ptr "
                          f"{t.data_ptr():#x} (a view at an unaligned offset? try .clone())")

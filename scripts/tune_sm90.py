@@ -65,8 +65,9 @@ def main() -> None:
                         line.append(f"{name} err {type(e).__name__}")
                 print("  ".join(line), flush=True)
                 tiles = [None] + extra.get(d, [])
-                switches = SWITCHES if args.switches == "all" else [(True, True)]
                 for tile in tiles:
+                    # Every switch combination for the default tile; extra tiles with overlap on.
+                    switches = SWITCHES if args.switches == "all" and tile is None else SWITCHES[2:]
                     for pp, ov in switches:
                         kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
                         tag = f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)}"

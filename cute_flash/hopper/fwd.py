@@ -25,10 +25,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
 from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.mask import AttentionMask
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
+from cute_flash.kernels.tile_scheduler import TileScheduler
 
 # Named barrier ids (0 is __syncthreads): the consumer warpgroups' epilogue barrier, then one
 # scheduling barrier per consumer warpgroup (ping-pong).
@@ -77,6 +79,11 @@ class FlashFwdSm90:
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.pingpong, self.overlap = cfg.pingpong, cfg.intra_wg_overlap
+        # With overlap, the O rescale of block n sits between the wait for P V(n+1) and the next
+        # GEMMs. For wide O (d_v > 128: 128+ accumulator registers per thread) it is long enough
+        # to show: apply it one block late instead, while Q K^T(n) runs and before P V(n+1) is
+        # issued (O is not an operand of Q K^T).
+        self.rescale_before_pv = self.overlap and self.hdim_v > 128
         # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups
         # (32 * 128 + 160 * 384 = 65536 with three; that layout spills today and is rejected by
         # the config).
@@ -146,6 +153,12 @@ class FlashFwdSm90:
                                                     (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.select(self.sV_layout, mode=[0, 1]),
                                                     (self.tile_n, self.hdim_v))
+        # O goes out through a TMA store, which clips rows past the tensor's end. Packed (varlen)
+        # outputs keep predicated stores: a box would run into the next batch's rows.
+        tma_O, mO_out = None, mO
+        if cutlass.const_expr(not self.varlen):
+            tma_O, mO_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                        self.sO_layout, (self.tile_m, self.hdim_v))
         if cutlass.const_expr(self.varlen):
             # Packed (T, d, H): the TMA boxes start at each batch's first row (cu_seqlens), so a
             # box may run into the next batch's rows; those keys are masked (seqlen mask) and
@@ -156,10 +169,14 @@ class FlashFwdSm90:
             num_batch = mQ.shape[3]
             seqlen_q = mQ.shape[0]
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
-        grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
-        self.kernel(mQ_tma, mK_tma, mV_tma, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
-                    score_scale, scale_log2, window_left, window_right, Storage).launch(
-            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
+        sched = TileScheduler.create(cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch,
+                                     mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
+                                     lpt=self.is_causal or self.is_local, varlen=self.varlen)
+        self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
+                    tma_O, score_scale, scale_log2, window_left, window_right, sched.params(),
+                    Storage).launch(
+            grid=sched.grid(), block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
+            stream=stream)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -167,11 +184,14 @@ class FlashFwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-               tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, score_scale: Float32,
-               scale_log2: Float32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
+               tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+               tma_O: cute.CopyAtom | None, score_scale: Float32,
+               scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
+               Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = TileScheduler.tile(sched_params, self.is_causal or self.is_local,
+                                                  self.varlen)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_Q)
             cpasync.prefetch_descriptor(tma_K)
@@ -203,12 +223,12 @@ class FlashFwdSm90:
         # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows
         # (the whole CTA leaves together: the condition is uniform).
         if m_block * self.tile_m < seqlen.seqlen_q:
-            self.attend_tile(mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+            self.attend_tile(mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, tma_O, pipe_q, pipe_k,
                              pipe_v, seqlen, score_scale, scale_log2, window_left, window_right, warp_idx,
                              m_block, head, batch)
 
     @cute.jit
-    def attend_tile(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+    def attend_tile(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, tma_O, pipe_q, pipe_k,
                     pipe_v, seqlen: SeqlenInfo, score_scale, scale_log2, window_left, window_right,
                     warp_idx, m_block, head, batch):
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
@@ -224,8 +244,8 @@ class FlashFwdSm90:
                           m_block, head, batch, n_block_min, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen, m_block, head, batch,
-                         n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
+            self.consume(mO, mLSE, tma_O, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen, m_block, head,
+                         batch, n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
                          window_left, window_right)
 
     # ------------------------------------------------------------------------------------------
@@ -267,7 +287,7 @@ class FlashFwdSm90:
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block,
+    def consume(self, mO, mLSE, tma_O, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block,
                 head, batch, n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
                 window_left, window_right):
         tidx, _, _ = cute.arch.thread_idx()
@@ -288,7 +308,8 @@ class FlashFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O,
                          rP=rP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, pipe_k=pipe_k,
-                         pipe_v=pipe_v, n_block_min=n_block_min, score_scale=score_scale, wg=wg)
+                         pipe_v=pipe_v, n_block_min=n_block_min, score_scale=score_scale, wg=wg,
+                         row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
         if cutlass.const_expr(self.pingpong):
             # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores.
             if wg == 0:
@@ -301,7 +322,7 @@ class FlashFwdSm90:
 
         row_scale = softmax.finalize()
         OnlineSoftmax.rescale(acc_O, row_scale)
-        self.epilogue(ctx, mO, mLSE, sO, tidx, head, batch)
+        self.epilogue(ctx, mO, mLSE, tma_O, sO, tidx, head, batch)
 
     # Ping-pong scheduling (``pingpong``): the consumer warpgroups take turns issuing their GEMMs,
     # so one warpgroup's softmax overlaps the other's MMAs. Warpgroup w waits on barrier
@@ -389,7 +410,7 @@ class FlashFwdSm90:
         row_scale = self.scores(ctx, acc_S, n_block, is_first, partial, mask_right, mask_left)
         if cutlass.const_expr(not is_first):
             OnlineSoftmax.rescale(ctx.acc_O, row_scale)
-        ctx.rP.store(acc_S.load().to(self.dtype))
+        convert_pairs(acc_S, ctx.rP)
         # O += P V (RS-wgmma: P from registers).
         ctx.pipe_v.consumer_wait(state)
         self.sched_sync(ctx)
@@ -407,8 +428,10 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_wait(state)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True)
         ctx.pipe_k.consumer_release(state)
-        self.scores(ctx, acc_S, n_block, True, True, mask_right, mask_left)
-        ctx.rP.store(acc_S.load().to(self.dtype))
+        row_scale = self.scores(ctx, acc_S, n_block, True, True, mask_right, mask_left)
+        if cutlass.const_expr(self.rescale_before_pv):
+            ctx.row_scale.store(row_scale.load())
+        convert_pairs(acc_S, ctx.rP)
 
     @cute.jit
     def one_block_overlap(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
@@ -423,6 +446,8 @@ class FlashFwdSm90:
         self.sched_sync(ctx)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
                 wg_wait=-1)
+        if cutlass.const_expr(self.rescale_before_pv):
+            OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
         ctx.pipe_v.consumer_wait(v_state)
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
                 zero_init=False, wg_wait=-1)
@@ -432,35 +457,54 @@ class FlashFwdSm90:
         row_scale = self.scores(ctx, acc_S, n_block, False, False, mask_right, mask_left)
         warpgroup.wait_group(0)  # P V done: O and P may change
         ctx.pipe_v.consumer_release(v_state)
-        OnlineSoftmax.rescale(ctx.acc_O, row_scale)
-        ctx.rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(self.rescale_before_pv):
+            ctx.row_scale.store(row_scale.load())
+        else:
+            OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        convert_pairs(acc_S, ctx.rP)
         return state
 
     @cute.jit
     def last_half(self, ctx, state):
         """Intra-warpgroup overlap: P V of the last block visited."""
+        if cutlass.const_expr(self.rescale_before_pv):
+            OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
         ctx.pipe_v.consumer_wait(state)
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
         ctx.pipe_v.consumer_release(state)
 
     @cute.jit
-    def epilogue(self, ctx, mO, mLSE, sO, tidx, head, batch):
+    def epilogue(self, ctx, mO, mLSE, tma_O, sO, tidx, head, batch):
         seqlen = ctx.seqlen
         rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
         # LSE: the lane holding column 0 of a row writes it (-inf for rows that saw no key).
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
         ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)
 
-        # O: registers -> smem (Q's buffer) -> 16-byte predicated global stores.
+        # O: registers -> smem (Q's buffer, stmatrix) -> TMA store (predicated 16-byte stores for
+        # packed varlen outputs).
         rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
-        rO.store(ctx.acc_O.load().to(self.dtype))
+        convert_pairs(ctx.acc_O, rO)
         # Every consumer warpgroup is done reading Q (its wgmmas were waited for).
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
+        r2s = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
                                      self.mma_pv).get_slice(tidx)
         cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        if cutlass.const_expr(tma_O is not None):
+            # The TMA engine reads smem through the async proxy: make the generic-proxy writes
+            # visible to it before the barrier that hands the tile to the storing warp.
+            cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         gO = cute.local_tile(seqlen.q_rows(mO, head, batch), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
-        common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
-                          rows_left)
+        if cutlass.const_expr(tma_O is not None):
+            if tidx < 32:
+                tOsO, tOgO = cpasync.tma_partition(tma_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                # smem must outlive the TMA engine's reads of it.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
+                              rows_left)

@@ -1,0 +1,67 @@
+"""Which (m_block, head, batch) tile a CTA of a one-tile-per-CTA grid computes.
+
+Two concerns decide the order in which the hardware should meet the tiles (it dispatches CTAs in
+increasing linear block index):
+
+- L2 reuse: every m-block of one (batch, head) streams the same K/V. The tiles are walked in
+  *sections* of ``group`` heads whose K/V fit in L2 together, so while a section runs its K/V come
+  from L2 instead of HBM (132 SMs each streaming their own K/V would need ~5 TB/s at d=128).
+- Longest processing time first (causal / local): query block m visits ~m+1 key blocks, so the
+  m-blocks are handed out heaviest first and the grid tail is made of the shortest tiles.
+
+Within a section the head varies fastest, then the m-block. Varlen grids keep the 3-D
+(m_block, head, batch) grid: a batch's m-block count is only known on the device.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+L2_BYTES = 50 * 1024 * 1024  # H100/H200: 50 MB of L2
+
+
+class TileScheduler:
+    def __init__(self, num_m: Int32, num_head: Int32, num_hb: Int32, group: Int32, lpt: bool,
+                 varlen: bool):
+        self.num_m, self.num_head, self.num_hb, self.group = num_m, num_head, num_hb, group
+        self.lpt, self.varlen = lpt, varlen
+
+    @staticmethod
+    def create(num_m: Int32, num_head: Int32, num_batch: Int32, seqlen_k: Int32, row_bytes: int,
+               lpt: bool, varlen: bool) -> "TileScheduler":
+        """Host side. ``row_bytes``: bytes of one K row plus one V row (L2 footprint per key)."""
+        num_hb = num_head * num_batch
+        group = Int32(L2_BYTES // row_bytes) // cutlass.max(seqlen_k, 1)
+        group = cutlass.max(cutlass.min(group, num_hb), 1)
+        return TileScheduler(num_m, num_head, num_hb, group, lpt, varlen)
+
+    def grid(self) -> tuple:
+        if cutlass.const_expr(self.varlen):
+            return (self.num_m, self.num_head, self.num_hb // self.num_head)
+        return (self.num_m * self.num_hb, 1, 1)
+
+    def params(self) -> tuple:
+        """The values the kernel needs to call ``tile``."""
+        return (self.num_m, self.num_head, self.num_hb, self.group)
+
+    @staticmethod
+    @cute.jit
+    def tile(params: tuple, lpt: cutlass.Constexpr[bool], varlen: cutlass.Constexpr[bool]):
+        """Device side: (m_block, head, batch) of this CTA."""
+        num_m, num_head, num_hb, group = params
+        bx, by, bz = cute.arch.block_idx()
+        m_block, head, batch = bx, by, bz
+        if cutlass.const_expr(not varlen):
+            per_section = group * num_m
+            section = bx // per_section
+            in_section = bx - section * per_section
+            # The last section may hold fewer heads.
+            heads_here = cutlass.min(group, num_hb - section * group)
+            m = in_section // heads_here
+            hb = section * group + (in_section - m * heads_here)
+            m_block = m
+            batch = hb // num_head
+            head = hb - batch * num_head
+        if cutlass.const_expr(lpt):
+            m_block = num_m - 1 - m_block
+        return m_block, head, batch
