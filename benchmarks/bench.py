@@ -2,6 +2,13 @@
 
     python benchmarks/bench.py [--quick] [--hdim 64 128] [--seqlen 1024 4096] [--causal 0 1]
                                [--dir fwd bwd] [--providers ours sdpa-flash ...] [--out DIR]
+    python benchmarks/bench.py --ablation [--out DIR]
+
+Providers: ``ours`` is the public API as it runs on this GPU (on Hopper: the sm90 FA3 forward);
+``ours-sm80`` (not in the default set) forces our sm80 FA2 forward with ``CUTE_FLASH_FWD_KERNEL=sm80``
+around each forward call, for comparison on Hopper; its backward is our usual (sm80) backward.
+``--ablation`` times only the sm90 forward at d=128, N=8192 with ping-pong and intra-warpgroup
+overlap switched on and off (configs built directly), causal and not, and prints its own table.
 
 Grid (default): tokens B*N = 16384, hidden H*d = 2048, N in {512 .. 16k}, d in {64, 128, 256}, causal and
 not, fwd and bwd; bf16, (B, N, H, d) layout (SDPA gets transposed views, no copies).
@@ -24,8 +31,10 @@ The last thing printed is a markdown table (the device reply carries the tail of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -40,7 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere, without installing the package
     sys.path.insert(0, str(REPO))
 
-PROVIDERS = ("ours", "sdpa-flash", "sdpa-cudnn", "fa4")
+PROVIDERS = ("ours", "sdpa-flash", "sdpa-cudnn", "fa4")  # the default set
+ALL_PROVIDERS = (*PROVIDERS, "ours-sm80")
+OURS = ("ours", "ours-sm80")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HDIMS = (64, 128, 256)
@@ -56,6 +67,32 @@ def _ours() -> Fwd:
     from cute_flash import flash_attn_func
 
     return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)
+
+
+@contextlib.contextmanager
+def _fwd_kernel(family: str):
+    """``CUTE_FLASH_FWD_KERNEL=family`` for the duration (the launcher reads it at each call)."""
+    from cute_flash.fwd import FWD_KERNEL_ENV
+
+    old = os.environ.get(FWD_KERNEL_ENV)
+    os.environ[FWD_KERNEL_ENV] = family
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FWD_KERNEL_ENV, None)
+        else:
+            os.environ[FWD_KERNEL_ENV] = old
+
+
+def _ours_sm80() -> Fwd:
+    from cute_flash import flash_attn_func
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        with _fwd_kernel("sm80"):  # ~1 us of host time per call, inside the timed region
+            return flash_attn_func(q, k, v, causal=causal)
+
+    return fwd
 
 
 def _sdpa(backend_name: str) -> Fwd:
@@ -86,6 +123,7 @@ def _fa4() -> Fwd:
 
 FACTORIES: dict[str, Callable[[], Fwd]] = {
     "ours": _ours,
+    "ours-sm80": _ours_sm80,
     "sdpa-flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa-cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "fa4": _fa4,
@@ -165,8 +203,8 @@ def make_inputs(b: int, n: int, h: int, d: int, dtype: torch.dtype, seed: int) -
     return q, k, v, do
 
 
-def warm_up_ours(fwd: Fwd, hdims: list[int], causals: list[bool], dirs: list[str], tokens: int, hidden: int,
-                 n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+def warm_up_ours(name: str, fwd: Fwd, hdims: list[int], causals: list[bool], dirs: list[str], tokens: int,
+                 hidden: int, n: int, dtype: torch.dtype) -> list[dict[str, Any]]:
     """First call of each of our variants (= JIT compile + one run), before anything is timed."""
     out = []
     for d in hdims:
@@ -176,7 +214,7 @@ def warm_up_ours(fwd: Fwd, hdims: list[int], causals: list[bool], dirs: list[str
             q.requires_grad_(True)
             k.requires_grad_(True)
             v.requires_grad_(True)
-            rec: dict[str, Any] = {"hdim": d, "causal": causal}
+            rec: dict[str, Any] = {"provider": name, "hdim": d, "causal": causal}
             try:
                 t0 = time.perf_counter()
                 o = fwd(q, k, v, causal)
@@ -191,7 +229,7 @@ def warm_up_ours(fwd: Fwd, hdims: list[int], causals: list[bool], dirs: list[str
                 rec["error"] = _short(e)
             times = f"fwd {rec.get('fwd_first_call_s', 0):.1f} s" + (
                 f", bwd {rec['bwd_first_call_s']:.1f} s" if "bwd_first_call_s" in rec else "")
-            print(f"  ours d={d} causal={int(causal)}: {rec.get('error') or times}", flush=True)
+            print(f"  {name} d={d} causal={int(causal)}: {rec.get('error') or times}", flush=True)
             out.append(rec)
     return out
 
@@ -225,7 +263,7 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                         o = call()
                         if name == "sdpa-flash":
                             ref["out"] = o.detach()
-                        elif name == "ours" and "out" in ref:
+                        elif name in OURS and "out" in ref:
                             rec["rel_l2_vs_sdpa"] = rel_l2(o, ref["out"])
                         del o
                         rec["peak_mib"] = peak_mib(call)
@@ -236,7 +274,7 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                         dq = torch.autograd.grad(o, (q,), do, retain_graph=True)[0]
                         if name == "sdpa-flash":
                             ref["dq"] = dq
-                        elif name == "ours" and "dq" in ref:
+                        elif name in OURS and "dq" in ref:
                             rec["rel_l2_vs_sdpa"] = rel_l2(dq, ref["dq"])
                         del dq
 
@@ -259,7 +297,7 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                 if args.verbose:
                     traceback.print_exc()
             if not rec.get("rel_l2_vs_sdpa", 0.0) <= SANITY_REL_L2:  # NaN fails this too
-                print(f"WARNING: ours d={d} N={n} causal={int(causal)} {direction}: rel L2 vs SDPA-flash "
+                print(f"WARNING: {name} d={d} N={n} causal={int(causal)} {direction}: rel L2 vs SDPA-flash "
                       f"{rec['rel_l2_vs_sdpa']:.2e} (> {SANITY_REL_L2})", flush=True)
             recs.append(rec)
             torch.cuda.empty_cache()
@@ -302,7 +340,8 @@ def plot(results: list[dict[str, Any]], providers: list[str], path: Path, title:
     hdims = sorted({r["hdim"] for r in results})
     dirs = [x for x in ("fwd", "bwd") if any(r["dir"] == x for r in results)]
     fig, axes = plt.subplots(len(dirs), len(hdims), figsize=(5 * len(hdims), 3.8 * len(dirs)), squeeze=False)
-    colors = dict(zip(PROVIDERS, ("tab:red", "tab:blue", "tab:green", "tab:purple"), strict=True))
+    colors = dict(zip(ALL_PROVIDERS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"),
+                      strict=True))
     for i, direction in enumerate(dirs):
         for j, d in enumerate(hdims):
             ax = axes[i][j]
@@ -327,13 +366,116 @@ def plot(results: list[dict[str, Any]], providers: list[str], path: Path, title:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------
+# --ablation: the sm90 forward's scheduling switches
+# ---------------------------------------------------------------------------------------------
+ABLATION_HDIM, ABLATION_SEQLEN = 128, 8192
+ABLATION_SWITCHES = ((True, True), (True, False), (False, True), (False, False))  # (pingpong, overlap)
+
+
+def ablation_table(recs: list[dict[str, Any]]) -> str:
+    head = ["causal", "pingpong", "overlap", "ms", "TFLOP/s", "vs default", "ΔL2 vs SDPA-flash"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in recs:
+        base = next((x for x in recs if x["causal"] == r["causal"] and x["default"]), None)
+        ratio = (f"{r['tflops'] / base['tflops']:.2f}" if r.get("tflops") and base and base.get("tflops")
+                 else "")
+        dl2 = r.get("rel_l2_vs_sdpa")
+        check = r.get("error", "") if dl2 is None else f"{dl2:.1e}" + ("" if dl2 <= SANITY_REL_L2 else " (!)")
+        cells = [str(int(r["causal"])), str(int(r["pingpong"])), str(int(r["overlap"])),
+                 f"{r['ms']:.3f}" if r.get("ms") else "", f"{r['tflops']:.0f}" if r.get("tflops") else "",
+                 ratio + (" (default)" if r["default"] else ""), check]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool,
+                     default: tuple[bool, bool]) -> list[dict[str, Any]]:
+    """The four (pingpong, overlap) variants on one problem, fresh inputs, one SDPA-flash reference."""
+    from cute_flash import jit
+    from cute_flash.fwd import normalize_window
+    from cute_flash.fwd_sm90 import FwdSm90Config
+
+    d, n = ABLATION_HDIM, ABLATION_SEQLEN
+    h, b = args.hidden // d, max(args.tokens // n, 1)
+    q, k, v, _ = make_inputs(b, n, h, d, dtype, seed=hash((d, n, causal)) & 0xFFFF)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, n, dtype=torch.float32, device="cuda")
+    _, _, left, right = normalize_window(causal, (-1, -1))  # what run_fwd passes for this mask
+    try:
+        ref, ref_err = _sdpa("FLASH_ATTENTION")(q, k, v, causal), ""
+    except Exception as e:  # no reference: the table says so instead of a ΔL2
+        ref, ref_err = None, _short(e)
+    recs = []
+    for pingpong, overlap in ABLATION_SWITCHES:
+        rec: dict[str, Any] = {"hdim": d, "seqlen": n, "batch": b, "heads": h, "causal": causal,
+                               "pingpong": pingpong, "overlap": overlap,
+                               "default": (pingpong, overlap) == default}
+        try:
+            cfg = FwdSm90Config(target=None, dtype=args.dtype, hdim=d, hdim_v=d, causal=causal,
+                                pingpong=pingpong, intra_wg_overlap=overlap)
+            fn = jit.compile_kernel(cfg)
+            call = (lambda fn=fn: fn(q, k, v, out, lse, None, None, d ** -0.5, 0.0, left, right, n))
+            out.fill_(float("nan"))  # a variant that skips rows must not inherit the previous output
+            call()
+            torch.cuda.synchronize()
+            if ref is not None:
+                rec["rel_l2_vs_sdpa"] = rel_l2(out, ref)
+            else:
+                rec["error"] = f"no SDPA-flash reference: {ref_err}"
+            rec["ms"] = bench_ms(call, args.warmup, args.rep)
+            rec["tflops"] = fwd_flops(b, h, n, d, causal) / rec["ms"] * 1e-9
+        except Exception as e:
+            rec["error"] = _short(e)
+            if args.verbose:
+                traceback.print_exc()
+        result = f"{rec['tflops']:.0f} TFLOP/s" if rec.get("tflops") else rec.get("error", "")
+        print(f"causal={int(causal)} pingpong={int(pingpong)} overlap={int(overlap)}: {result}", flush=True)
+        recs.append(rec)
+    return recs
+
+
+def run_ablation(args: argparse.Namespace, dtype: torch.dtype, device_name: str) -> int:
+    """Time the sm90 forward at d=128, N=8192 (B*N = --tokens, H*d = --hidden) for each (pingpong,
+    intra_wg_overlap), for --causal, through configs built directly (the public API always takes
+    the per-head-dim defaults). Each output is compared with SDPA-flash's, so a broken variant
+    cannot pass for a fast one. Non-zero exit if a variant failed or disagreed."""
+    from cute_flash.fwd_sm90 import SM90_FWD_TILES
+
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        print(f"--ablation times the sm90 forward, which needs a Hopper GPU (this one is {major}.{minor})",
+              file=sys.stderr)
+        return 2
+    default = (bool(SM90_FWD_TILES[ABLATION_HDIM][4]), bool(SM90_FWD_TILES[ABLATION_HDIM][5]))
+    recs: list[dict[str, Any]] = []
+    for causal in args.causal:
+        recs += _ablation_causal(args, dtype, causal, default)
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "ablation.json", "w") as f:
+            json.dump({"device": device_name, "dtype": args.dtype, "default": default, "results": recs}, f,
+                      indent=1)
+    r0 = recs[0] if recs else {"batch": "-", "heads": "-"}
+    print(f"\nTFLOP/s, {device_name}, sm90 forward ablation, {args.dtype}, d={ABLATION_HDIM}, "
+          f"N={ABLATION_SEQLEN}, B={r0['batch']}, H={r0['heads']}; default (pingpong, overlap) = "
+          f"({int(default[0])}, {int(default[1])}); vs default = speed ratio\n")
+    print(ablation_table(recs))
+    bad = [r for r in recs if r.get("error") or not r.get("rel_l2_vs_sdpa", 0.0) <= SANITY_REL_L2]
+    return 1 if bad else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hdim", type=int, nargs="+", default=None, help=f"default {HDIMS}")
     p.add_argument("--seqlen", type=int, nargs="+", default=None, help=f"default {SEQLENS}")
     p.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=None, help="default 0 1")
     p.add_argument("--dir", nargs="+", choices=("fwd", "bwd"), default=None, help="default fwd bwd")
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=ALL_PROVIDERS, default=list(PROVIDERS),
+                   help=f"default {' '.join(PROVIDERS)}; ours-sm80: our sm80 forward forced (Hopper)")
+    p.add_argument("--ablation", action="store_true",
+                   help="only the sm90 forward's ping-pong / intra-warpgroup-overlap ablation (Hopper)")
     p.add_argument("--quick", action="store_true", help="d=128, N in {1k, 4k} (defaults only)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--tokens", type=int, default=16384, help="B*N")
@@ -374,22 +516,24 @@ def main(argv: list[str] | None = None) -> int:
             "peak_mib": "extra over inputs, one call (bwd: fwd+bwd)"}
     print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
           f"CUDA {torch.version.cuda}; {timer}", flush=True)
+    if args.ablation:
+        return run_ablation(args, dtype, props.name)
 
     # Providers: ours first, and compiled before flash-attn-4 is imported (importing flash_attn.cute
     # patches cute.compile process-wide; keep our compile times and code free of that).
     providers: dict[str, Fwd] = {}
     setup_errors: dict[str, str] = {}
     compile_recs: list[dict[str, Any]] = []
-    if "ours" in args.providers:
+    for name in [p for p in args.providers if p in OURS]:
         try:
-            providers["ours"] = _ours()
-            print("warm-up (compile) of ours:", flush=True)
-            compile_recs = warm_up_ours(providers["ours"], args.hdim, args.causal, args.dir, args.tokens,
-                                        args.hidden, min(args.seqlen), dtype)
+            providers[name] = FACTORIES[name]()
+            print(f"warm-up (compile) of {name}:", flush=True)
+            compile_recs += warm_up_ours(name, providers[name], args.hdim, args.causal, args.dir, args.tokens,
+                                         args.hidden, min(args.seqlen), dtype)
         except Exception as e:
-            setup_errors["ours"] = _short(e)
+            setup_errors[name] = _short(e)
     for name in args.providers:
-        if name == "ours":
+        if name in OURS:
             continue
         try:
             providers[name] = FACTORIES[name]()
@@ -402,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     for rec in compile_recs:  # a variant that did not compile fails every cell the same way
         if "error" in rec:
             for direction in args.dir:
-                failed[("ours", rec["hdim"], rec["causal"], direction)] = rec["error"]
+                failed[(rec["provider"], rec["hdim"], rec["causal"], direction)] = rec["error"]
     results: list[dict[str, Any]] = []
     for d in args.hdim:
         for causal in args.causal:
@@ -442,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + e)
     if compile_recs:
         print("\nours, first call (compile + run), s: " + ", ".join(
-            f"d{r['hdim']}{'c' if r['causal'] else ''} fwd {r.get('fwd_first_call_s', math.nan):.1f}"
+            ("" if r["provider"] == "ours" else f"{r['provider']} ")
+            + f"d{r['hdim']}{'c' if r['causal'] else ''} "
+            f"fwd {r.get('fwd_first_call_s', math.nan):.1f}"
             + (f" bwd {r['bwd_first_call_s']:.1f}" if "bwd_first_call_s" in r else "") for r in compile_recs))
     print(f"\ntotal {total:.0f} s" + (f"; JSON and plot in {args.out}" if args.out else ""))
     print(f"\nTFLOP/s, {props.name}, {args.dtype}, B*N={args.tokens}, H*d={args.hidden}; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -213,6 +214,14 @@ def _gpu_main(args: argparse.Namespace) -> int:
         return 2
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    try:
+        from cute_flash.fwd import fwd_family
+
+        family = fwd_family(None, args.hdim, args.hdim).kernel_name
+    except Exception as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
+        family = f"? ({type(e).__name__}: {e})"
+    choice = os.environ.get("CUTE_FLASH_FWD_KERNEL", "auto")
+    print(f"kernels: forward {family} (CUTE_FLASH_FWD_KERNEL={choice}), backward sm80")
     print(f"problem: B={args.batch} N={args.seqlen} H={args.heads} d={args.hdim} {args.dtype}; "
           "layout (B, N, H, d)\n")
     ok_all = True

@@ -130,10 +130,10 @@ def fwd_family(device: torch.device | int | str | None = None, hdim: int | None 
     """The forward config class to launch on ``device`` (default: the current CUDA device).
 
     ``CUTE_FLASH_FWD_KERNEL`` (read now, not at import): ``auto`` (default) takes the sm90 family
-    on a compute capability 9.x GPU when it supports the head dims (``max(hdim, hdim_v)``; both
-    unknown counts as supported) and the sm80 family everywhere else; ``sm80`` forces the FA2
-    kernel (on any sm80+ GPU, Hopper included, e.g. for comparisons); ``sm90`` forces the FA3
-    kernel and raises ``ValueError`` on a GPU that is not Hopper.
+    on a compute capability 9.x GPU when it has the head dims (``max(hdim, hdim_v)``; ``hdim=None``
+    skips that check) and the sm80 family everywhere else; ``sm80`` forces the FA2 kernel (on any
+    sm80+ GPU, Hopper included, e.g. for comparisons); ``sm90`` forces the FA3 kernel and raises
+    ``ValueError`` on a GPU that is not Hopper. Any other value raises ``ValueError``.
     """
     choice = os.environ.get(FWD_KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in FWD_KERNEL_CHOICES:

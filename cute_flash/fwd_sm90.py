@@ -18,19 +18,38 @@ from cute_flash.fwd import fwd_fake_args, run_fwd
 # Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap).
 # tile_m is 64 rows per consumer warpgroup; K and V each sit in a ``stages``-deep TMA pipeline.
 # Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must fit in the 227 KiB an sm90
-# block may use (d=256: 64 + 2*80 KiB = 224 KiB). Measured on the H200 (docs/notes.md, d=128
-# N=8k: overlap alone 680 TFLOP/s, both 636, ping-pong alone 600, neither 564).
+# block may use (d=256: 64 + 2*80 KiB = 224 KiB). Chosen by the H200 sweeps in docs/notes.md
+# (scripts/tune_sm90.py, N=8k, same run as cuDNN and flash-attn-4); differences under ~2% are
+# within run-to-run noise, so the simpler variant won ties.
 SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     32: (128, 128, 2, 2, False, True),
-    64: (128, 128, 2, 2, False, True),
+    # d=64: three consumer warpgroups (160 registers each) on 192 rows: 529 vs 459 TFLOP/s.
+    64: (192, 128, 2, 3, True, True),
     96: (128, 128, 2, 2, False, True),
     128: (128, 128, 2, 2, False, True),
-    160: (128, 96, 2, 2, False, True),
-    192: (128, 96, 2, 2, False, True),
-    256: (128, 80, 2, 2, False, True),
+    160: (128, 96, 2, 2, True, False),
+    192: (128, 96, 2, 2, True, False),
+    # d=256: once the softmax's max/convert chains were short, overlap stopped paying (727 vs 716).
+    256: (128, 80, 2, 2, True, False),
+}
+# Causal / sliding-window variants where they differ: the masked first blocks make the register
+# peak higher (192-row d=64 spills) and the serial order measured at least as fast.
+SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
+    64: (128, 128, 2, 2, False, True),
+    128: (128, 128, 2, 2, False, False),
+    160: (128, 96, 2, 2, False, False),
+    192: (128, 96, 2, 2, False, False),
+    256: (128, 80, 2, 2, False, False),
 }
 
 SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
+def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
+    """The tuned (tile_m, tile_n, stages, warpgroups, ping-pong, overlap) for a head dim."""
+    if masked and d in SM90_FWD_TILES_MASKED:
+        return SM90_FWD_TILES_MASKED[d]
+    return SM90_FWD_TILES[d]
 
 
 @dataclass(frozen=True)
@@ -41,7 +60,9 @@ class FwdSm90Config(jit.KernelConfig):
     warpgroup produces (TMA). ``pingpong``: the consumer warpgroups take turns at the tensor
     cores (named barriers), so one's softmax overlaps the other's GEMMs. ``intra_wg_overlap``:
     QK^T of the next block is issued together with P V of the current one, and the softmax runs
-    while P V is in flight. Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``.
+    while P V is in flight. ``l2_sections``: tile order by sections of heads whose K/V fit in L2
+    (default for causal/local, with longest-first m-blocks) instead of head by head
+    (``kernels/tile_scheduler.py``). Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``.
     ``varlen``: packed (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
     """
 
@@ -58,6 +79,7 @@ class FwdSm90Config(jit.KernelConfig):
     stages: int = 0
     pingpong: bool | None = None
     intra_wg_overlap: bool | None = None
+    l2_sections: bool | None = None
 
     kernel_name = "fwd_sm90"
 
@@ -66,12 +88,14 @@ class FwdSm90Config(jit.KernelConfig):
         if d not in SM90_FWD_TILES:
             raise ValueError(f"sm90 forward: unsupported head dim {d}")
         defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong", "intra_wg_overlap"),
-                            SM90_FWD_TILES[d], strict=True))
+                            sm90_tile(d, self.causal or self.local), strict=True))
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
             if getattr(self, name) in (0, None):
                 object.__setattr__(self, name, value)
+        if self.l2_sections is None:
+            object.__setattr__(self, "l2_sections", self.causal or self.local)
         if self.num_mma_wg not in (2, 3):
             raise ValueError("sm90 forward: 2 or 3 consumer warpgroups")
         if self.tile_m != 64 * self.num_mma_wg:

@@ -9,9 +9,12 @@ Why this exists: the device machine is lent in short slots, and most performance
 missing ``ldmatrix``, scalar instead of 16-byte loads, an accidental local array) are visible in the
 compiler output alone. Reading them here costs no device time.
 
-Which configs a variant compiles comes from a registry keyed by (arch, kernel); a new kernel family
-(the Hopper FA3 kernels) plugs in with :func:`register_family`. Until it does, ``sm_90a`` compiles the
-sm80 kernels for the sm_90a target, which is what runs on an H200 today.
+Which configs a variant compiles comes from a registry keyed by (arch, kernel, family); a kernel
+family plugs in with :func:`register_family`. The default family of an (arch, kernel) is what the
+launchers run on such a GPU: on ``sm_90a`` the forward is the Hopper FA3 kernel (wgmma, TMA,
+mbarrier pipelines, warp specialisation; head dims it lacks fall back to sm80, as in
+``cute_flash.fwd.fwd_family``) and the backward is the sm80 code compiled for sm_90a.
+``--family sm80`` inspects the sm80 forward on sm_90a instead (what ``CUTE_FLASH_FWD_KERNEL=sm80`` runs).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from cute_flash import jit
 
 KERNELS = ("fwd", "bwd")
 DTYPES = ("bf16", "fp16", "e4m3")
+FAMILIES = ("sm80", "sm90")  # "" (the default) = what the launchers run on that arch
 
 # ---------------------------------------------------------------------------------------------
 # Variant description and the (arch, kernel) -> configs registry
@@ -55,6 +59,7 @@ class Variant:
     softcap: bool = False
     varlen: bool = False
     deterministic: bool = False
+    family: str = ""  # "" = the default family of (arch, kernel); else one of FAMILIES
 
     @property
     def dv(self) -> int:
@@ -63,35 +68,39 @@ class Variant:
     def label(self) -> str:
         flags = [f for f in ("causal", "local", "softcap", "varlen", "deterministic") if getattr(self, f)]
         d = f"d{self.hdim}" if self.dv == self.hdim else f"d{self.hdim}x{self.dv}"
-        return " ".join([self.arch, self.kernel, self.dtype, d, *flags])
+        kernel = f"{self.kernel}[{self.family}]" if self.family else self.kernel
+        return " ".join([self.arch, kernel, self.dtype, d, *flags])
 
 
 ConfigFactory = Callable[[Variant], "list[jit.KernelConfig]"]
-_FAMILIES: dict[tuple[str, str], ConfigFactory] = {}
+_FAMILIES: dict[tuple[str, str, str], ConfigFactory] = {}
 
 
-def register_family(arch: str, kernel: str, factory: ConfigFactory) -> None:
-    """Make ``factory`` the source of configs for (arch, kernel); a later call replaces an earlier
-    one, so the Hopper family can take over ``sm_90a`` from the sm80 fallback registered below."""
-    _FAMILIES[(arch, kernel)] = factory
+def register_family(arch: str, kernel: str, factory: ConfigFactory, family: str = "") -> None:
+    """Make ``factory`` the source of configs for (arch, kernel, family); ``family=""`` is the
+    default one of (arch, kernel). A later call replaces an earlier one."""
+    _FAMILIES[(arch, kernel, family)] = factory
 
 
 def configs_for(variant: Variant) -> list[jit.KernelConfig]:
     """The kernel configs (one per launched kernel) that make up ``variant``."""
-    factory = _FAMILIES.get((variant.arch, variant.kernel))
+    factory = _FAMILIES.get((variant.arch, variant.kernel, variant.family))
     if factory is None:
-        known = ", ".join(f"{a}/{k}" for a, k in sorted(_FAMILIES))
-        raise ValueError(f"no kernel family registered for {variant.arch}/{variant.kernel} (have: {known})")
+        known = ", ".join(f"{a}/{k}" + (f"[{f}]" if f else "") for a, k, f in sorted(_FAMILIES))
+        asked = f"{variant.arch}/{variant.kernel}" + (f"[{variant.family}]" if variant.family else "")
+        raise ValueError(f"no kernel family registered for {asked} (have: {known})")
     return factory(variant)
 
 
-def _sm80_dtype(variant: Variant) -> str:
+def _check_dtype(variant: Variant, family: str) -> str:
     if variant.dtype not in jit.DTYPES:
-        raise ValueError(
-            f"dtype {variant.dtype!r} is not supported by the sm80 kernels (have {sorted(jit.DTYPES)}); "
-            "e4m3 needs the Hopper (sm_90a) kernel family, which is not written yet"
-        )
+        raise ValueError(f"dtype {variant.dtype!r} is not supported by the {family} kernels (have "
+                         f"{sorted(jit.DTYPES)}); no kernel family has an fp8 (e4m3) variant yet")
     return variant.dtype
+
+
+def _sm80_dtype(variant: Variant) -> str:
+    return _check_dtype(variant, "sm80")
 
 
 def _sm80_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
@@ -112,10 +121,32 @@ def _sm80_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
                             variant.local, variant.softcap, variant.varlen, variant.deterministic))
 
 
+def _sm90_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
+    from cute_flash.fwd_sm90 import FwdSm90Config
+
+    return [FwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
+                          hdim_v=variant.dv, causal=variant.causal, local=variant.local,
+                          softcap=variant.softcap, varlen=variant.varlen)]
+
+
+def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
+    """What an H100/H200 launches by default: the sm90 forward where it has the head dims, else
+    the sm80 one (``cute_flash.fwd.fwd_family``, auto mode)."""
+    from cute_flash.fwd import sm90_supports
+
+    if sm90_supports(variant.hdim, variant.dv):
+        return _sm90_fwd_configs(variant)
+    return _sm80_fwd_configs(variant)
+
+
 for _arch in jit.ARCHS:
-    # sm_90a: no Hopper kernels yet, so the sm80 code is compiled for the sm_90a target.
     register_family(_arch, "fwd", _sm80_fwd_configs)
+    register_family(_arch, "fwd", _sm80_fwd_configs, family="sm80")
+    # The backward is the sm80 code on every GPU, Hopper included (compiled for the sm_90a target).
     register_family(_arch, "bwd", _sm80_bwd_configs)
+    register_family(_arch, "bwd", _sm80_bwd_configs, family="sm80")
+register_family("sm_90a", "fwd", _hopper_fwd_configs)
+register_family("sm_90a", "fwd", _sm90_fwd_configs, family="sm90")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +161,28 @@ def _is_global_add(op: str, base: str) -> bool:
     # red/atom without a state space address generic memory, which in our kernels is global.
     parts = op.split(".")
     return parts[0] == base and "add" in parts and "shared" not in parts and "shared::cta" not in op
+
+
+def _bar_kind(op: str) -> str | None:
+    """'sync', 'arrive', 'red', ... of a CTA barrier (``bar``/``barrier``, optionally ``.cta``);
+    None for anything else (``bar.warp.sync`` is a warp-level op: 'warp')."""
+    parts = op.split(".")
+    if parts[0] not in ("bar", "barrier"):
+        return None
+    rest = [p for p in parts[1:] if p != "cta"]
+    return rest[0] if rest else "sync"  # plain 'bar' / 'barrier' is bar.sync
+
+
+def _is_named_barrier(op: str, args: str) -> bool:
+    # Barrier 0 is __syncthreads; any other id (a literal > 0, or an id in a register, which our
+    # kernels compute only for the ping-pong barriers) is a named barrier between some warps.
+    if _bar_kind(op) not in ("sync", "arrive", "red"):
+        return False
+    first = args.split(",", 1)[0].strip()
+    try:
+        return int(first, 0) != 0
+    except ValueError:
+        return bool(first)
 
 
 # (key, predicate on the full opcode) in display order. Each is an instruction count in the PTX text
@@ -148,9 +201,12 @@ PTX_COUNTERS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("cp.async.bulk.tensor", lambda op: op.startswith("cp.async.bulk.tensor")),
     ("cp.reduce.async.bulk", lambda op: op.startswith("cp.reduce.async.bulk")),
     ("mbarrier", lambda op: op.startswith("mbarrier.")),
+    ("mbarrier.wait", lambda op: op.startswith(("mbarrier.try_wait", "mbarrier.test_wait"))),
     ("setmaxnreg", lambda op: op.startswith("setmaxnreg")),
-    ("bar.sync", lambda op: op.startswith(("bar.sync", "barrier.sync")) or op in ("bar", "barrier")),
-    ("bar.arrive", lambda op: op.startswith(("bar.arrive", "barrier.arrive"))),
+    ("setmaxnreg.inc", lambda op: op.startswith("setmaxnreg.inc")),
+    ("setmaxnreg.dec", lambda op: op.startswith("setmaxnreg.dec")),
+    ("bar.sync", lambda op: _bar_kind(op) == "sync"),
+    ("bar.arrive", lambda op: _bar_kind(op) == "arrive"),
     ("fence.proxy.async", lambda op: op.startswith("fence.proxy.async")),
     ("ex2.approx", lambda op: op.startswith("ex2.approx")),
     ("red.global.add", lambda op: _is_global_add(op, "red")),
@@ -165,7 +221,11 @@ PTX_COUNTERS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("st.local", lambda op: op.startswith("st.local")),
     ("cvt.e4m3", lambda op: op.startswith("cvt") and "e4m3" in op),
 )
-PTX_KEYS = tuple(k for k, _ in PTX_COUNTERS)
+# Counters that need the operands too: (key, predicate on (opcode, operand text)).
+PTX_OPERAND_COUNTERS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
+    ("bar.named", _is_named_barrier),  # bar.sync/arrive/red with an id other than 0
+)
+PTX_KEYS = tuple(k for k, _ in PTX_COUNTERS) + tuple(k for k, _ in PTX_OPERAND_COUNTERS)
 
 _PTX_ENTRY = re.compile(
     r"^\s*(?:\.visible\s+|\.weak\s+|\.extern\s+)*\.(entry|func)\s+(?:\([^)]*\)\s*)?([\w$]+)")
@@ -174,6 +234,12 @@ _PTX_PRED = re.compile(r"^@!?%\w+\s+")
 
 def ptx_opcodes(ptx: str) -> dict[str, list[str]]:
     """Instruction opcodes of each ``.entry``/``.func`` in ``ptx``, in order."""
+    return {name: [i.split(None, 1)[0] for i in insns] for name, insns in ptx_instructions(ptx).items()}
+
+
+def ptx_instructions(ptx: str) -> dict[str, list[str]]:
+    """Instructions (opcode and operands, without predicate, comment and ';') of each
+    ``.entry``/``.func`` in ``ptx``, in order."""
     funcs: dict[str, list[str]] = {}
     current: list[str] | None = None
     for raw in ptx.splitlines():
@@ -186,18 +252,24 @@ def ptx_opcodes(ptx: str) -> dict[str, list[str]]:
             continue
         if current is None or line[0] in ".{}(),)" or line.endswith(":"):
             continue  # directives, braces, parameter lists, labels
-        line = _PTX_PRED.sub("", line)
-        op = line.split(None, 1)[0].rstrip(";")
-        if op and op[0].isalpha():
-            current.append(op)
+        line = _PTX_PRED.sub("", line).rstrip(";").strip()
+        if line and line[0].isalpha():
+            current.append(line)
     return funcs
 
 
-def count_ptx(opcodes: Iterable[str]) -> dict[str, int]:
+def count_ptx(instructions: Iterable[str]) -> dict[str, int]:
+    """Counts of ``PTX_KEYS`` over instructions (``ptx_instructions``) or bare opcodes
+    (``ptx_opcodes``; then the operand-aware counters see no operands)."""
     counts = dict.fromkeys(PTX_KEYS, 0)
-    for op in opcodes:
+    for insn in instructions:
+        parts = insn.split(None, 1)
+        op, args = parts[0].rstrip(";"), (parts[1] if len(parts) > 1 else "")
         for key, pred in PTX_COUNTERS:
             if pred(op):
+                counts[key] += 1
+        for key, pred2 in PTX_OPERAND_COUNTERS:
+            if pred2(op, args):
                 counts[key] += 1
     return counts
 
@@ -491,7 +563,7 @@ def _lookup_kernel(name: str, table: dict[str, Any]) -> Any:
 def report_config(cfg: jit.KernelConfig, compiled: Compiled,
                   dump_dir: str | None = None) -> list[KernelReport]:
     """Per-function reports of one compiled config; optionally writes PTX/SASS/log to ``dump_dir``."""
-    ptx_funcs = ptx_opcodes(compiled.ptx)
+    ptx_funcs = ptx_instructions(compiled.ptx)
     threads = ptx_threads(compiled.ptx)
     remarks = parse_ptxas_remarks(compiled.log)
     with tempfile.TemporaryDirectory(prefix="cute_flash_cubin_") as tmp:
@@ -597,6 +669,7 @@ def inspect_variant(variant: Variant, dump_dir: str | None = None) -> dict[str, 
         "softcap": variant.softcap,
         "varlen": variant.varlen,
         "deterministic": variant.deterministic,
+        "family": variant.family,
         "ptx": _sum_dicts([k.ptx for k in kernels]),
         "sass": _sum_dicts([k.sass for k in kernels]),
         "registers": _max_opt(k.registers for k in kernels),
@@ -635,9 +708,10 @@ def inspect_many(variants: Sequence[Variant], workers: int | None = None) -> lis
 # ---------------------------------------------------------------------------------------------
 # (column header, key) of the instruction-mix table; PTX counts in lower case, SASS in upper case.
 _TABLE_PTX = (("mma", "mma.sync"), ("wgmma", "wgmma.mma_async"), ("ldmatrix", "ldmatrix"),
-              ("cp.async", "cp.async"), ("tma", "cp.async.bulk.tensor"), ("mbar", "mbarrier"),
-              ("maxnreg", "setmaxnreg"), ("bar.sync", "bar.sync"), ("ex2", "ex2.approx"),
-              ("red", "red.global.add"), ("shfl", "shfl.sync"), ("ld.g", "ld.global"), ("st.g", "st.global"))
+              ("cp.async", "cp.async"), ("tma", "cp.async.bulk.tensor"), ("mbar.wait", "mbarrier.wait"),
+              ("nreg+", "setmaxnreg.inc"), ("nreg-", "setmaxnreg.dec"), ("bar.sync", "bar.sync"),
+              ("bar.named", "bar.named"), ("ex2", "ex2.approx"), ("red", "red.global.add"),
+              ("shfl", "shfl.sync"), ("ld.g", "ld.global"), ("st.g", "st.global"))
 _TABLE_SASS = (("HMMA", "HMMA"), ("HGMMA", "HGMMA"), ("LDSM", "LDSM"), ("LDGSTS", "LDGSTS"),
                ("UTMALDG", "UTMALDG"), ("EX2", "MUFU.EX2"), ("RED", "RED"), ("BAR", "BAR"), ("LDL", "LDL"),
                ("STL", "STL"))
@@ -712,6 +786,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--softcap", action="store_true")
     p.add_argument("--varlen", action="store_true")
     p.add_argument("--deterministic", action="store_true", help="backward only")
+    p.add_argument("--family", choices=FAMILIES, default="",
+                   help="kernel family (default: what runs on that arch; sm_90a fwd: sm90)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--dump", metavar="DIR", default=None,
                    help="write PTX, cubin, SASS and the ptxas log here")
@@ -721,7 +797,7 @@ def main(args: Any) -> int:
     """Entry of ``python -m cute_flash inspect``; returns the exit code."""
     variant = Variant(arch=args.arch, kernel=args.kernel, dtype=args.dtype, hdim=args.hdim,
                       hdim_v=args.hdim_v, causal=args.causal, local=args.local, softcap=args.softcap,
-                      varlen=args.varlen, deterministic=args.deterministic)
+                      varlen=args.varlen, deterministic=args.deterministic, family=args.family)
     try:
         rep = inspect_variant(variant, dump_dir=args.dump)
     except Exception as e:
@@ -740,5 +816,6 @@ def main(args: Any) -> int:
 
 
 __all__ = ["Variant", "register_family", "configs_for", "inspect_variant", "inspect_many", "mix_table",
-           "format_report", "compile_config", "report_config", "ptx_opcodes", "count_ptx", "sass_opcodes",
-           "count_sass", "resource_usage", "parse_res_usage", "parse_ptxas_remarks", "dynamic_smem_from_ir"]
+           "format_report", "compile_config", "report_config", "ptx_opcodes", "ptx_instructions", "count_ptx",
+           "sass_opcodes", "count_sass", "resource_usage", "parse_res_usage", "parse_ptxas_remarks",
+           "dynamic_smem_from_ir"]

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--tiles", nargs="*", default=[], help="extra d:tile_m,tile_n,stages candidates")
     ap.add_argument("--switches", default="all", choices=["all", "best"])
+    ap.add_argument("--l2", type=int, nargs="+", default=[-1], help="l2_sections values (-1: default)")
     args = ap.parse_args()
     extra: dict[int, list[tuple[int, int, int]]] = {}
     for t in args.tiles:
@@ -68,9 +69,11 @@ def main() -> None:
                 for tile in tiles:
                     # Every switch combination for the default tile; extra tiles with overlap on.
                     switches = SWITCHES if args.switches == "all" and tile is None else SWITCHES[2:]
-                    for pp, ov in switches:
+                    for (pp, ov), l2 in ((sw, l2) for sw in switches for l2 in args.l2):
                         kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
-                        tag = f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)}"
+                        if l2 >= 0:
+                            kw["l2_sections"] = bool(l2)
+                        tag = f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)} l2={l2}"
                         try:
                             cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
                                                 pingpong=pp, intra_wg_overlap=ov, **kw)

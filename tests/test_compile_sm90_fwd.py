@@ -14,7 +14,7 @@ import pytest
 
 from cute_flash import inspect as ins
 from cute_flash import jit
-from cute_flash.fwd_sm90 import SM90_FWD_TILES, SM90_SMEM_LIMIT, FwdSm90Config
+from cute_flash.fwd_sm90 import SM90_FWD_TILES, SM90_FWD_TILES_MASKED, SM90_SMEM_LIMIT, FwdSm90Config
 
 VARIANTS = [
     FwdSm90Config(target="sm_90a", dtype=dtype, hdim=d, hdim_v=d, causal=mode == "causal",
@@ -23,8 +23,13 @@ VARIANTS = [
     for d in (64, 128, 256)
     for mode in ("plain", "causal")
 ] + [
-    # The other head dims of the tile table.
-    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=d, causal=True) for d in (32, 96, 160, 192)
+    # The other head dims of the tile tables.
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=d, causal=c)
+    for d in (32, 96, 160, 192) for c in (False, True)
+] + [
+    # (d_qk, d_v) = (192, 128), and d=64 on two consumer warpgroups (the masked table's shape).
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=192, hdim_v=128),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, tile_m=128, tile_n=128)
 ] + [
     # Sliding window and softcap, for the most used head dim.
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, local=True),
@@ -97,7 +102,7 @@ def test_sm90_fwd_compiles(cfg: FwdSm90Config) -> None:
 
 def test_smem_fits() -> None:
     """Q + stages * (K + V) tiles of 16-bit elements (plus barriers) fit in one sm90 block."""
-    for d, (tm, tn, st, *_) in SM90_FWD_TILES.items():
+    for d, (tm, tn, st, *_) in [*SM90_FWD_TILES.items(), *SM90_FWD_TILES_MASKED.items()]:
         assert (tm * d + st * tn * 2 * d) * 2 + 1024 <= SM90_SMEM_LIMIT, d
 
 

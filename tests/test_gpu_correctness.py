@@ -14,6 +14,11 @@ head dims and memory layouts, in which every value of every axis appears several
 fully-masked rows, NaN-poisoned outputs, determinism and torch.compile have tests of their own.
 Compiling the kernel variants dominates the run time; inputs are fresh random numbers each run
 (the seed is printed; ``CUTE_FLASH_SEED`` replays it).
+
+Forward kernel family: every test runs what the public API runs (``CUTE_FLASH_FWD_KERNEL``, default
+``auto``: the sm90 FA3 forward on Hopper, the sm80 FA2 one elsewhere; the backward is sm80 on every
+GPU). A few cases force the sm80 forward on Hopper so that it stays covered there, and one 128k-token
+causal problem checks that the forward's memory is O(N).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash import jit
+from cute_flash.fwd import FWD_KERNEL_ENV, FwdConfig
 from cute_flash.reference import attention_ref, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -261,6 +268,119 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads(seed,
     assert torch.all(grads[0][:, dead_rows] == 0)
     assert torch.all(grads[1][:, dead_keys] == 0) and torch.all(grads[2][:, dead_keys] == 0)
     check_against_rule(q, k, v, seed, case, **case.kwargs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernel family
+# ---------------------------------------------------------------------------------------------
+def is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def compiled_families(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the kernels compiled (or fetched from the cache) by launches in this test."""
+    seen: list[str] = []
+    real = jit.compile_kernel
+
+    def spy(cfg, keep=False):
+        seen.append(cfg.kernel_name)
+        return real(cfg, keep)
+
+    monkeypatch.setattr(jit, "compile_kernel", spy)
+    return seen
+
+
+def test_public_api_runs_the_sm90_forward_on_hopper_and_sm80_elsewhere(seed, compiled_families, monkeypatch):
+    monkeypatch.delenv(FWD_KERNEL_ENV, raising=False)
+    q, k, v = make_qkv(Case(nq=300, nk=300))
+    cute_flash.flash_attn_func(q, k, v, causal=True)
+    assert compiled_families == ["fwd_sm90" if is_hopper() else "fwd_sm80"]
+
+
+SM80_ON_HOPPER_CASES = [
+    Case(dtype=BF16, hdim=128, causal=True, heads=(8, 2), nq=1000, nk=1000),
+    Case(dtype=FP16, hdim=64, window=(64, 32), softcap=30.0, nq=113, nk=1000, layout="bhnd"),
+    Case(dtype=BF16, hdim=256, nq=17, nk=4224, layout="padded"),
+    Case(dtype=FP16, hdim=96, causal=True, heads=(6, 1), nq=1000, nk=113),
+]
+
+
+@pytest.mark.skipif(not is_hopper(), reason="sm80 is already the forward of this GPU (the grids cover it)")
+@pytest.mark.parametrize("case", SM80_ON_HOPPER_CASES, ids=str)
+def test_forced_sm80_forward_on_hopper_within_twice_pytorch_error(seed, case, compiled_families, monkeypatch):
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    check_against_rule(*make_qkv(case), seed, f"{case} sm80", **case.kwargs())
+    assert "fwd_sm80" in compiled_families and "fwd_sm90" not in compiled_families
+
+
+@pytest.mark.skipif(not is_hopper(), reason="sm80 is already the forward of this GPU (the grids cover it)")
+def test_forced_sm80_varlen_forward_on_hopper(seed, compiled_families, monkeypatch):
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    lens_q, lens_k = [0, 130, 1, 377], [50, 0, 200, 377]
+    q = torch.randn(sum(lens_q), 4, 128, dtype=BF16, device="cuda")
+    k = torch.randn(sum(lens_k), 2, 128, dtype=BF16, device="cuda")
+    v = torch.randn(sum(lens_k), 2, 128, dtype=BF16, device="cuda")
+    check_against_rule(q, k, v, seed, "varlen sm80", cu_seqlens_q=cu_seqlens(lens_q),
+                       cu_seqlens_k=cu_seqlens(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                       causal=True)
+    assert "fwd_sm80" in compiled_families and "fwd_sm90" not in compiled_families
+
+
+def test_sm90_forced_on_a_gpu_that_is_not_hopper_raises(monkeypatch):
+    if is_hopper():
+        pytest.skip("this GPU is a Hopper")
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm90")
+    q, k, v = make_qkv(Case(nq=64, nk=64))
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        cute_flash.flash_attn_func(q, k, v)
+
+
+def test_forward_family_choice_is_read_per_call(monkeypatch):
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    from cute_flash.fwd import fwd_family
+
+    assert fwd_family(torch.device("cuda")) is FwdConfig
+    monkeypatch.delenv(FWD_KERNEL_ENV)
+    assert (fwd_family(torch.device("cuda")) is FwdConfig) != is_hopper()
+
+
+# ---------------------------------------------------------------------------------------------
+# Long sequence: O(N) memory, spot-checked rows
+# ---------------------------------------------------------------------------------------------
+def test_128k_causal_forward_uses_linear_memory_and_matches_reference_rows(seed):
+    n, h, d = 128 * 1024, 2, 128
+    kw = dict(causal=True, return_lse=True)
+    # Compile this variant first (sequence lengths are run-time values), so the measured peak is the
+    # launch's own.
+    cute_flash.flash_attn_func(*make_qkv(Case(nq=256, nk=256, heads=(h, h))), **kw)
+    q, k, v = (torch.randn(1, n, h, d, dtype=BF16, device="cuda") for _ in range(3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, lse = cute_flash.flash_attn_func(q, k, v, **kw)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    outputs = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+    # The outputs themselves (64 MiB + 1 MiB) and no workspace to speak of; the N x N scores would
+    # be 16 GiB even at one byte each.
+    assert extra <= 2 * outputs + (16 << 20) < n * n // 64, (extra, outputs)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # Row i of a causal square problem sees keys 0..i: its reference is a 1 x (i+1) problem.
+    gen = torch.Generator().manual_seed(seed)
+    rows = sorted({0, 1, 127, 128, 4095, n // 2 + 3, n - 2, n - 1,
+                   *torch.randint(0, n, (4,), generator=gen).tolist()})
+    refs = {True: [], False: []}
+    for i in rows:
+        for upcast in (True, False):
+            o, l_ = attention_ref(q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1], upcast=upcast)
+            refs[upcast].append((o, l_))
+    idx = torch.tensor(rows, device="cuda")
+    for name, j, floor in (("out", 0, FLOOR_FWD), ("lse", 1, FLOOR_FWD)):
+        ref = torch.cat([r[j] for r in refs[True]], dim=1 if j == 0 else 2)
+        same = torch.cat([r[j] for r in refs[False]], dim=1 if j == 0 else 2)
+        ours = out[:, idx] if j == 0 else lse[:, :, idx]
+        assert_rule(name, ours, ref, same, floor, seed, f"128k causal rows {rows}")
 
 
 # ---------------------------------------------------------------------------------------------

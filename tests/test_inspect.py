@@ -1,5 +1,6 @@
-"""``cute_flash.inspect`` / ``python -m cute_flash inspect``: the parsers on fixed snippets (fast), and
-the report of a real compile of the sm80 forward (no GPU needed)."""
+"""``cute_flash.inspect`` / ``python -m cute_flash inspect``: the parsers on fixed snippets (fast), the
+(arch, kernel, family) registry, and the reports of real compiles of the sm80 forward, the sm80
+backward and the sm90 (Hopper) forward (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ $L__BB0_2:
 \tmbarrier.try_wait.parity.shared::cta.b64 %p1, [%r1], %r2;
 \tmbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], 16384;
 \tsetmaxnreg.inc.sync.aligned.u32 240;
+\tsetmaxnreg.dec.sync.aligned.u32 24;
+\tbar.sync \t%r3, 256;
+\tbar.cta.arrive.aligned 0x0, 256;
 \tcvt.rn.satfinite.e4m3x2.f32 %rs1, %f1, %f2;
 \tret;
 }
@@ -73,13 +77,15 @@ $L__BB0_2:
 
 
 def test_ptx_counts_per_entry() -> None:
-    funcs = ins.ptx_opcodes(PTX)
+    funcs = ins.ptx_instructions(PTX)
     assert list(funcs) == ["kern_a", "kern_b"]
+    assert funcs["kern_a"][0] == "cp.async.cg.shared.global [%r1], [%rd1], 16"
     a, b = ins.count_ptx(funcs["kern_a"]), ins.count_ptx(funcs["kern_b"])
     assert set(a) == set(ins.PTX_KEYS)
     assert a["cp.async"] == 2  # the predicated one too; commit/wait are counted apart
     assert a["cp.async.commit_group"] == 1 and a["cp.async.wait_group"] == 1
     assert a["bar.sync"] == 2 and a["bar.arrive"] == 1
+    assert a["bar.named"] == 2  # barrier ids 1 and 2; 'bar.sync 0' is __syncthreads
     assert a["ldmatrix"] == 1 and a["mma.sync"] == 1  # not the one in the comment
     assert a["ex2.approx"] == 1 and a["shfl.sync"] == 1
     assert a["red.global.add"] == 1 and a["atom.global.add"] == 1  # generic atom.add; not atom.shared
@@ -88,7 +94,14 @@ def test_ptx_counts_per_entry() -> None:
     assert b["wgmma.mma_async"] == 1 and b["wgmma.fence"] == 1 and b["wgmma.commit_group"] == 1
     assert b["wgmma.wait_group"] == 1
     assert b["cp.async.bulk.tensor"] == 1 and b["cp.reduce.async.bulk"] == 1 and b["cp.async"] == 0
-    assert b["mbarrier"] == 2 and b["setmaxnreg"] == 1 and b["cvt.e4m3"] == 1
+    assert b["mbarrier"] == 2 and b["mbarrier.wait"] == 1 and b["cvt.e4m3"] == 1
+    assert b["setmaxnreg"] == 2 and b["setmaxnreg.inc"] == 1 and b["setmaxnreg.dec"] == 1
+    assert b["bar.sync"] == 1 and b["bar.arrive"] == 1
+    assert b["bar.named"] == 1  # the id in a register is named; 'arrive 0x0' is barrier 0
+    # Bare opcodes count the same, except what needs the operands.
+    b_ops = ins.count_ptx(ins.ptx_opcodes(PTX)["kern_b"])
+    assert b_ops["bar.named"] == 0 and {k: v for k, v in b_ops.items() if k != "bar.named"} == {
+        k: v for k, v in b.items() if k != "bar.named"}
     assert ins.ptx_threads(PTX) == {"kern_a": 128, "kern_b": 384}
 
 
@@ -197,16 +210,33 @@ def test_dynamic_smem_from_ir() -> None:
     assert ins.dynamic_smem_from_ir("") == {}
 
 
-def test_registry() -> None:
+def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cute_flash.fwd import FwdConfig
+    from cute_flash.fwd_sm90 import FwdSm90Config
+
     v = ins.Variant(arch="sm_90a", kernel="fwd", dtype="bf16", hdim=64, causal=True)
-    (cfg,) = ins.configs_for(v)
-    assert cfg.target == "sm_90a" and cfg.hdim == 64 and cfg.causal  # sm80 code for the sm_90a target
-    with pytest.raises(ValueError, match="e4m3"):
-        ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3"))
+    (cfg,) = ins.configs_for(v)  # what an H200 runs: the Hopper forward
+    assert isinstance(cfg, FwdSm90Config) and cfg.target == "sm_90a" and cfg.hdim == 64 and cfg.causal
+    (cfg,) = ins.configs_for(dataclasses.replace(v, family="sm80"))  # CUTE_FLASH_FWD_KERNEL=sm80
+    assert type(cfg) is FwdConfig and cfg.target == "sm_90a" and cfg.causal
+    (cfg,) = ins.configs_for(dataclasses.replace(v, arch="sm_80"))
+    assert type(cfg) is FwdConfig and cfg.target == "sm_80"
+    with pytest.raises(ValueError, match=r"no kernel family registered for sm_80/fwd\[sm90\]"):
+        ins.configs_for(dataclasses.replace(v, arch="sm_80", family="sm90"))
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64))  # sm80 code on Hopper too
+    assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd)
+    for family in ("", "sm80", "sm90"):
+        with pytest.raises(ValueError, match="e4m3"):
+            ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3", family=family))
     with pytest.raises(ValueError, match="no kernel family"):
         ins.configs_for(ins.Variant(arch="sm_90a", kernel="nope"))
-    old = ins._FAMILIES[("sm_90a", "fwd")]
-    try:  # a Hopper family plugs in by replacing the factory
+    # Head dims the sm90 forward lacks fall back to sm80, as the launcher's auto mode does.
+    monkeypatch.setattr("cute_flash.fwd_sm90.SM90_FWD_TILES", {128: (128, 128, 2, 2, False, True)})
+    (cfg,) = ins.configs_for(v)
+    assert type(cfg) is FwdConfig
+    monkeypatch.undo()
+    old = ins._FAMILIES[("sm_90a", "fwd", "")]
+    try:  # a family plugs in by replacing the factory
         ins.register_family("sm_90a", "fwd", lambda var: ["hopper", var.hdim])
         assert ins.configs_for(v) == ["hopper", 64]
     finally:
@@ -281,20 +311,52 @@ def test_mix_table(fwd_report: tuple[dict, Path]) -> None:
     assert "registers" in ins.format_report(rep)
 
 
-def test_cli_subprocess_sm90a() -> None:
-    """End to end through ``python -m cute_flash inspect --json``: the sm80 code built for sm_90a."""
+def test_cli_subprocess_sm90a_is_the_hopper_forward() -> None:
+    """End to end through ``python -m cute_flash inspect --json``: on sm_90a the forward is the FA3
+    kernel, and the report shows its Hopper machinery: wgmma, TMA, mbarrier waits, register
+    reallocation both ways, named barriers (the epilogue's id 1), no local memory; SASS HGMMA and
+    UTMALDG."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = ["inspect", "--arch", "sm_90a", "--kernel", "fwd", "--dtype", "bf16", "--hdim", "64", "--causal",
-           "--json"]
+    cmd = ["inspect", "--arch", "sm_90a", "--kernel", "fwd", "--dtype", "bf16", "--hdim", "128", "--json"]
     proc = subprocess.run([sys.executable, "-m", "cute_flash", *cmd],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)  # exactly one JSON object on stdout
-    assert (rep["arch"], rep["hdim"], rep["causal"]) == ("sm_90a", 64, True)
-    assert rep["ptx"]["mma.sync"] > 0 and rep["ptx"]["wgmma.mma_async"] == 0
+    assert (rep["arch"], rep["kernel"], rep["hdim"], rep["family"]) == ("sm_90a", "fwd", 128, "")
+    assert rep["kernels"][0]["config"].startswith("fwd_sm90[sm_90a]")
+    p = rep["ptx"]
+    assert p["mma.sync"] == 0 and p["ldmatrix"] == 0 and p["cp.async"] == 0
+    for key in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.wait", "setmaxnreg.inc",
+                "setmaxnreg.dec", "bar.named", "ex2.approx"):
+        assert p[key] > 0, key
+    assert p["bar.named"] < p["bar.sync"] + p["bar.arrive"]  # the __syncthreads after the mbarrier inits
+    assert p["ld.local"] == 0 and p["st.local"] == 0
+    assert rep["spill_bytes"] == 0 and rep["local_bytes"] == 0
+    assert rep["kernels"][0]["threads"] == 128 * 3  # producer + two consumer warpgroups
+    if ins.tools_dir() is None and not rep["sass"]:
+        pytest.skip("no nvdisasm/cuobjdump: SASS not checked")
+    s = rep["sass"]
+    assert s["HGMMA"] > 0 and s["UTMALDG"] > 0 and s["USETMAXREG"] == 2
+    assert s["HMMA"] == 0 and s["LDL"] == 0 and s["STL"] == 0
+
+
+def test_sm80_family_on_sm90a_and_the_mix_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--family sm80`` inspects the FA2 forward built for sm_90a (what CUTE_FLASH_FWD_KERNEL=sm80
+    runs on an H200); the mix table labels the family and has the Hopper columns."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ins.add_arguments(p)
+    args = p.parse_args(["--arch", "sm_90a", "--family", "sm80", "--hdim", "64", "--causal", "--json"])
+    assert ins.main(args) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["family"] == "sm80" and rep["ptx"]["mma.sync"] > 0 and rep["ptx"]["wgmma.mma_async"] == 0
     assert rep["spill_bytes"] == 0
-    if rep["sass"]:
-        assert rep["sass"]["HMMA"] > 0 and rep["sass"]["HGMMA"] == 0
+    table = ins.mix_table([rep]).splitlines()
+    for col in ("| wgmma |", "| tma |", "| mbar.wait |", "| nreg+ |", "| nreg- |", "| bar.named |",
+                "| HGMMA |", "| UTMALDG |"):
+        assert col in table[0], col
+    assert table[2].startswith("| sm_90a fwd[sm80] bf16 d64 causal |")
 
 
 def test_bwd_several_kernels() -> None:

@@ -269,6 +269,15 @@ def test_cuda_path_fixes_unaligned_strides_of_extent_one_dims(fake_launchers):
     assert passed.stride() == (0, 128, 32, 1) and torch.equal(passed, q)
 
 
+def test_cuda_path_zeroes_extent_one_strides_a_tma_descriptor_cannot_hold(fake_launchers):
+    # A 16-byte multiple, but 2^40 bytes: never used to address anything (extent 1), and the sm90
+    # forward would still have to encode it into its TMA descriptors.
+    q = torch.randn(1, 9, 4, 32, dtype=BF16).as_strided((1, 9, 4, 32), (2**39, 128, 32, 1))
+    ops._fwd_cuda(q, *qkv(b=1)[1:], 0.1, False, (-1, -1), 0.0)
+    passed = fake_launchers[0][1][0]
+    assert passed.stride() == (0, 128, 32, 1) and torch.equal(passed, q)
+
+
 @pytest.mark.parametrize("nq,nk", [(0, 5), (5, 0)])
 def test_cuda_path_handles_empty_problems_without_a_launch(fake_launchers, nq, nk):
     q, k, v = qkv(nq=nq, nk=nk)

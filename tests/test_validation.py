@@ -179,6 +179,52 @@ def test_fake_tensor_mode_skips_the_pointer_check():
     check(*qkv()[:2], misaligned_ptr((2, 8, 4, 64)), check_data=False)
 
 
+# The sm90 forward loads q, k, v with TMA, whose descriptors take a 16-byte aligned base address, a
+# unit-stride last dim and the other strides 16-byte multiples below 2^40 bytes; the kernels take
+# int32 extents. Each is checked for each input, before a launch (the checking function itself, so
+# this runs on the CPU; meta tensors stand in for sizes no test machine could allocate).
+def _with_stride_off_by_8_bytes(dim, shape=(2, 8, 4, 64)):
+    strides = list(torch.empty(shape).stride())
+    strides[dim] += 4  # bf16: 8 bytes past a 16-byte multiple
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    return torch.randn(size, dtype=BF16).as_strided(shape, strides)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_rejects_any_stride_tma_cannot_take(which, dim):
+    t = dict(zip("qkv", qkv(), strict=True))
+    t[which] = _with_stride_off_by_8_bytes(dim)
+    with pytest.raises(ValueError, match=rf"{which}.stride\({dim}\) must be a multiple of 8 elements "
+                                         r"\(16 bytes\) for vector loads and TMA"):
+        validate.check_fwd(t["q"], t["k"], t["v"], softmax_scale=0.125)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_rejects_a_base_address_tma_cannot_take(which):
+    t = dict(zip("qkv", qkv(), strict=True))
+    t[which] = misaligned_ptr((2, 8, 4, 64))
+    with pytest.raises(ValueError, match=f"{which} must start at a 16-byte aligned address"):
+        validate.check_fwd(t["q"], t["k"], t["v"], softmax_scale=0.125)
+
+
+def test_rejects_strides_beyond_the_tma_descriptor_limit():
+    q, k, v = (t.to("meta") for t in qkv())
+    k = torch.empty_strided((2, 8, 4, 64), (2**39, 256, 64, 1), dtype=BF16, device="meta")  # 2^40 bytes
+    with pytest.raises(ValueError, match=r"k.stride\(0\) must be below 2\^40 bytes"):
+        check(q, k, v)
+    check(q, torch.empty_strided((2, 8, 4, 64), (2**39 - 8, 256, 64, 1), dtype=BF16, device="meta"), v)
+
+
+def test_rejects_extents_beyond_int32():
+    q = torch.empty((1, 2**31, 1, 64), dtype=BF16, device="meta")
+    k, v = (torch.empty((1, 16, 1, 64), dtype=BF16, device="meta") for _ in range(2))
+    with pytest.raises(ValueError, match=r"q.shape\[1\] = 2147483648 is too large: the kernels take "
+                                         r"extents up to 2\^31 - 1"):
+        check(q, k, v)
+    check(q[:, :2**31 - 1], k, v)
+
+
 # ---------------------------------------------------------------------------------------------
 # ValueError: cu_seqlens
 # ---------------------------------------------------------------------------------------------

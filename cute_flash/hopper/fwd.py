@@ -171,7 +171,8 @@ class FlashFwdSm90:
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         sched = TileScheduler.create(cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch,
                                      mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
-                                     lpt=self.is_causal or self.is_local, varlen=self.varlen)
+                                     lpt=self.is_causal or self.is_local, varlen=self.varlen,
+                                     l2_sections=self.cfg.l2_sections)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(),
                     Storage).launch(

@@ -28,11 +28,15 @@ class TileScheduler:
 
     @staticmethod
     def create(num_m: Int32, num_head: Int32, num_batch: Int32, seqlen_k: Int32, row_bytes: int,
-               lpt: bool, varlen: bool) -> "TileScheduler":
-        """Host side. ``row_bytes``: bytes of one K row plus one V row (L2 footprint per key)."""
+               lpt: bool, varlen: bool, l2_sections: bool = True) -> "TileScheduler":
+        """Host side. ``row_bytes``: bytes of one K row plus one V row (L2 footprint per key).
+        ``l2_sections=False``: one head per section, i.e. every m-block of a head before the next
+        head (the plain (m, head, batch) grid order)."""
         num_hb = num_head * num_batch
-        group = Int32(L2_BYTES // row_bytes) // cutlass.max(seqlen_k, 1)
-        group = cutlass.max(cutlass.min(group, num_hb), 1)
+        group = Int32(1)
+        if cutlass.const_expr(l2_sections):
+            group = Int32(L2_BYTES // row_bytes) // cutlass.max(seqlen_k, 1)
+            group = cutlass.max(cutlass.min(group, num_hb), 1)
         return TileScheduler(num_m, num_head, num_hb, group, lpt, varlen)
 
     def grid(self) -> tuple:

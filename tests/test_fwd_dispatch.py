@@ -1,0 +1,111 @@
+"""Which forward kernel family a launch uses (``cute_flash.fwd.fwd_family``), checked on the CPU: the
+device's compute capability is faked and the compile step is replaced by a recorder, so the real
+launcher path (public API -> op -> ``run_fwd``) runs up to the point where a kernel would start."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import fwd, jit, ops
+from cute_flash.fwd import FWD_KERNEL_ENV, FwdConfig, fwd_family
+from cute_flash.fwd_sm90 import FwdSm90Config
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch):
+    """Set the fake device's capability with ``gpu(major, minor)``; returns the configs that
+    ``run_fwd`` compiled (the stand-in kernel writes zeros, so callers get finite outputs)."""
+    compiled: list = []
+
+    def compile_kernel(cfg, keep=False):
+        compiled.append(cfg)
+        return lambda q, k, v, out, lse, *rest: (out.zero_(), lse.zero_())
+
+    monkeypatch.delenv(FWD_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(jit, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(torch.cuda, "device", lambda _dev: contextlib.nullcontext())
+
+    def set_capability(major: int, minor: int = 0) -> list:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        return compiled
+
+    return set_capability
+
+
+@pytest.mark.parametrize("capability,family", [((9, 0), FwdSm90Config), ((8, 0), FwdConfig),
+                                               ((8, 9), FwdConfig), ((10, 0), FwdConfig)])
+def test_auto_takes_sm90_on_hopper_only(gpu, capability, family):
+    gpu(*capability)
+    assert fwd_family("cuda") is family
+    assert fwd_family("cuda", 128, 64) is family
+
+
+def test_env_forces_a_family_per_call(gpu, monkeypatch):
+    gpu(9, 0)
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    assert fwd_family() is FwdConfig
+    monkeypatch.setenv(FWD_KERNEL_ENV, "SM90")
+    assert fwd_family() is FwdSm90Config
+    monkeypatch.setenv(FWD_KERNEL_ENV, "auto")
+    assert fwd_family() is FwdSm90Config
+    gpu(8, 6)
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    assert fwd_family() is FwdConfig
+
+
+def test_sm90_forced_on_a_gpu_that_is_not_hopper_raises(gpu, monkeypatch):
+    gpu(8, 6)
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm90")
+    with pytest.raises(ValueError, match=r"needs a Hopper GPU \(compute capability 9.x\); this one is 8.6"):
+        fwd_family()
+
+
+def test_unknown_env_value_raises(gpu, monkeypatch):
+    gpu(9, 0)
+    monkeypatch.setenv(FWD_KERNEL_ENV, "fa3")
+    with pytest.raises(ValueError, match="CUTE_FLASH_FWD_KERNEL must be one of auto, sm80, sm90, got 'fa3'"):
+        fwd_family()
+
+
+def test_auto_falls_back_to_sm80_for_head_dims_sm90_lacks(gpu, monkeypatch):
+    gpu(9, 0)
+    monkeypatch.setattr("cute_flash.fwd_sm90.SM90_FWD_TILES", {128: (128, 128, 2, 2, False, True)})
+    assert fwd_family(None, 128, 128) is FwdSm90Config
+    assert fwd_family(None, 64, 64) is FwdConfig
+    assert fwd_family(None, 64, 256) is FwdConfig  # the larger of the two head dims decides
+    assert not fwd.sm90_supports(128, 256)
+
+
+def test_public_entry_points_launch_the_sm90_family_on_hopper(gpu, monkeypatch):
+    compiled = gpu(9, 0)
+    q, k, v = (torch.randn(2, 70, 4, 64, dtype=BF16) for _ in range(3))
+    # The ops' CUDA implementation, called directly (CPU tensors would take the reference one).
+    ops._fwd_cuda(q, k, v, 0.125, True, (-1, -1), 0.0)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    ops._fwd_cuda(q[0], k[0], v[0], 0.125, False, (16, 0), 5.0, cu, cu, 40, 40)
+    monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
+    ops._fwd_cuda(q, k, v, 0.125, False, (-1, -1), 0.0)
+    assert [type(c) for c in compiled] == [FwdSm90Config, FwdSm90Config, FwdConfig]
+    sm90, sm90_varlen, sm80 = compiled
+    assert sm90.target is None and sm90.causal and not sm90.varlen and sm90.hdim == 64
+    assert sm90_varlen.varlen and sm90_varlen.local and sm90_varlen.softcap
+    assert not sm80.causal
+
+
+def test_flash_attn_func_reaches_run_fwd_through_the_cuda_op(gpu, monkeypatch):
+    """The public functions all end in ``ops._fwd_cuda``, which leaves the family to ``run_fwd``."""
+    compiled = gpu(9, 0)
+    seen = []
+    monkeypatch.setattr(ops, "_fwd_cpu", lambda *a, **kw: seen.append(a) or ops._fwd_cuda(*a, **kw))
+    q, k, v = (torch.randn(1, 33, 2, 128, dtype=BF16) for _ in range(3))
+    cute_flash.flash_attn_func(q, k, v, causal=True)
+    cute_flash.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    cu = torch.tensor([0, 33], dtype=torch.int32)
+    cute_flash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33)
+    assert len(seen) == 3 and [type(c) for c in compiled] == [FwdSm90Config] * 3
