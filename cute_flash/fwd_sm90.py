@@ -80,6 +80,7 @@ class FwdSm90Config(jit.KernelConfig):
     pingpong: bool | None = None
     intra_wg_overlap: bool | None = None
     l2_sections: bool | None = None
+    rescale_o_early: bool | None = None
 
     kernel_name = "fwd_sm90"
 
@@ -94,6 +95,8 @@ class FwdSm90Config(jit.KernelConfig):
         for name, value in defaults.items():
             if getattr(self, name) in (0, None):
                 object.__setattr__(self, name, value)
+        if self.rescale_o_early is None:
+            object.__setattr__(self, "rescale_o_early", max(self.hdim, self.hdim_v) > 128)
         if self.l2_sections is None:
             object.__setattr__(self, "l2_sections", self.causal or self.local)
         if self.num_mma_wg not in (2, 3):

@@ -83,7 +83,7 @@ class FlashFwdSm90:
         # GEMMs. For wide O (d_v > 128: 128+ accumulator registers per thread) it is long enough
         # to show: apply it one block late instead, while Q K^T(n) runs and before P V(n+1) is
         # issued (O is not an operand of Q K^T).
-        self.rescale_before_pv = self.overlap and self.hdim_v > 128
+        self.rescale_before_pv = self.overlap and cfg.rescale_o_early
         # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups
         # (32 * 128 + 160 * 384 = 65536 with three; that layout spills today and is rejected by
         # the config).
