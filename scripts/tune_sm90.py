@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--tiles", nargs="*", default=[], help="extra d:tile_m,tile_n,stages candidates")
     ap.add_argument("--switches", default="all", choices=["all", "best"])
+    ap.add_argument("--set", nargs="*", default=[], help="extra FwdSm90Config fields, name=0|1")
     ap.add_argument("--l2", type=int, nargs="+", default=[-1], help="l2_sections values (-1: default)")
     args = ap.parse_args()
     extra: dict[int, list[tuple[int, int, int]]] = {}
@@ -73,7 +74,9 @@ def main() -> None:
                         kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
                         if l2 >= 0:
                             kw["l2_sections"] = bool(l2)
-                        tag = f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)} l2={l2}"
+                        kw.update({k: bool(int(v)) for k, v in (a.split("=") for a in args.set)})
+                        tag = (f"  tile={tile or 'default'} pingpong={int(pp)} overlap={int(ov)} l2={l2} "
+                               f"{' '.join(args.set)}")
                         try:
                             cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
                                                 pingpong=pp, intra_wg_overlap=ov, **kw)
