@@ -27,22 +27,15 @@ SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     64: (192, 128, 2, 3, True, True),
     96: (128, 128, 2, 2, False, True),
     128: (128, 128, 2, 2, False, True),
-    160: (128, 96, 2, 2, True, False),
-    192: (128, 96, 2, 2, True, False),
-    # d=256: once the softmax's max/convert chains were short, overlap stopped paying (727 vs 716).
-    256: (128, 80, 2, 2, True, False),
+    160: (128, 96, 2, 2, False, True),
+    192: (128, 96, 2, 2, False, True),
+    256: (128, 80, 2, 2, False, True),
 }
-# Causal / sliding-window variants where they differ: the masked first blocks make the register
-# peak higher (192-row d=64 spills) and the serial order measured at least as fast.
+# Causal / sliding-window variants where they differ: the masked edge blocks raise the register
+# peak, and the 192-row d=64 tile spills there.
 SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
     64: (128, 128, 2, 2, False, True),
-    128: (128, 128, 2, 2, False, False),
-    160: (128, 96, 2, 2, False, False),
-    192: (128, 96, 2, 2, False, False),
-    256: (128, 80, 2, 2, False, False),
 }
-
-SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
@@ -93,7 +86,8 @@ class FwdSm90Config(jit.KernelConfig):
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
-            if getattr(self, name) in (0, None):
+            # 0 means "unset" for the sizes only: False is a real choice for the switches.
+            if getattr(self, name) is None or (not isinstance(value, bool) and getattr(self, name) == 0):
                 object.__setattr__(self, name, value)
         if self.rescale_o_early is None:
             object.__setattr__(self, "rescale_o_early", max(self.hdim, self.hdim_v) > 128)

@@ -29,11 +29,12 @@ def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
     return Float32(1.0), softmax_scale * Float32(LOG2_E)
 
 
-def row_max_ilp(acc_mn: cute.Tensor, r: int) -> Float32:
-    """Max of row ``r`` with four independent chains: a single chain of 40-90 dependent max
-    instructions costs their full latency on the critical path between two GEMMs."""
+def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
+    """Max of row ``r`` with ``chains`` independent chains: one chain of 40-90 dependent max
+    instructions costs their full latency on the critical path between two GEMMs (sm90). The
+    sm80 kernels keep one chain: their register budget has no room for the extra partials."""
     n = cute.size(acc_mn, mode=[1])
-    lanes = min(4, n)
+    lanes = min(chains, n)
     part = [acc_mn[r, i] for i in range(lanes)]
     for c in range(lanes, n):  # plain Python: unrolled while tracing
         part[c % lanes] = cute.arch.fmax(part[c % lanes], acc_mn[r, c])
@@ -44,8 +45,9 @@ def row_max_ilp(acc_mn: cute.Tensor, r: int) -> Float32:
 
 
 class OnlineSoftmax:
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1):
         self.scale_log2 = scale_log2
+        self.max_chains = max_chains
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -61,9 +63,13 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = acc_mn[r, None].load()
-            m_new = row_max_ilp(acc_mn, r)
-            if cutlass.const_expr(not is_first):
-                m_new = cute.arch.fmax(m_new, self.row_max[r])
+            if cutlass.const_expr(self.max_chains == 1):
+                init = -Float32.inf if cutlass.const_expr(is_first) else self.row_max[r]
+                m_new = row.reduce(cute.ReductionOp.MAX, init, 0)
+            else:
+                m_new = row_max_chains(acc_mn, r, self.max_chains)
+                if cutlass.const_expr(not is_first):
+                    m_new = cute.arch.fmax(m_new, self.row_max[r])
             # The 4 lanes of a quad hold the same row (mma.sync C layout): 2 shuffles.
             m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
             m_old = self.row_max[r]
