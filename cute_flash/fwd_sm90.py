@@ -18,23 +18,28 @@ from cute_flash.fwd import fwd_fake_args, run_fwd
 # Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap).
 # tile_m is 64 rows per consumer warpgroup; K and V each sit in a ``stages``-deep TMA pipeline.
 # Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must fit in the 227 KiB an sm90
-# block may use (d=256: 64 + 2*80 KiB = 224 KiB). Chosen by the H200 sweeps in docs/notes.md
-# (scripts/tune_sm90.py, N=8k, same run as cuDNN and flash-attn-4); differences under ~2% are
-# within run-to-run noise, so the simpler variant won ties.
+# block may use (d=256: 64 + 2*80 KiB = 224 KiB). Chosen by the H200 sweep in docs/notes.md
+# (scripts/tune_sm90.py, N=8k, best of two interleaved rounds, TFLOP/s): overlap is worth
+# +7-13% everywhere; ping-pong on top of it helps the 3-warpgroup d=64 tile (528 vs 515) and
+# non-causal d=256 (718 vs 699), is noise at d=128 (640 vs 640) and loses for masked d=64.
 SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     32: (128, 128, 2, 2, False, True),
-    # d=64: three consumer warpgroups (160 registers each) on 192 rows: 529 vs 459 TFLOP/s.
+    # d=64: three consumer warpgroups (160 registers each) on 192 rows.
     64: (192, 128, 2, 3, True, True),
     96: (128, 128, 2, 2, False, True),
+    # d=128: 128x160 measured the same (639) and spends more registers.
     128: (128, 128, 2, 2, False, True),
+    160: (128, 96, 2, 2, True, True),
+    192: (128, 96, 2, 2, True, True),
+    256: (128, 80, 2, 2, True, True),
+}
+# Causal / sliding-window variants where they differ: the masked edge blocks raise the register
+# peak (the 192-row d=64 tile spills there) and ping-pong measured slower (d=64: 404 vs 438).
+SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
+    64: (128, 128, 2, 2, False, True),
     160: (128, 96, 2, 2, False, True),
     192: (128, 96, 2, 2, False, True),
     256: (128, 80, 2, 2, False, True),
-}
-# Causal / sliding-window variants where they differ: the masked edge blocks raise the register
-# peak, and the 192-row d=64 tile spills there.
-SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (128, 128, 2, 2, False, True),
 }
 
 

@@ -272,17 +272,29 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # V runs one block behind K (K(n-1) is issued before V(n)): the consumers need K(n-1) for
+        # the next Q K^T before V(n) for the current P V (intra-warpgroup overlap), and the single
+        # producer warp must not sit on a V slot while a K slot is free.
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n_block = n_block_max - 1
-        for _ in cutlass.range(n_block_max - n_block_min, unroll=1):
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
-            n_block -= 1
+        if n_block_max > n_block_min:
+            self.load_kv(tma_K, tKgK, tKsK, pipe_k, k_state, n_block)
+            k_state.advance()
+            for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
+                self.load_kv(tma_K, tKgK, tKsK, pipe_k, k_state, n_block - 1)
+                k_state.advance()
+                self.load_kv(tma_V, tVgV, tVsV, pipe_v, v_state, n_block)
+                v_state.advance()
+                n_block -= 1
+            self.load_kv(tma_V, tVgV, tVsV, pipe_v, v_state, n_block)
+
+    @cute.jit
+    def load_kv(self, tma, tXgX, tXsX, pipe, state, n_block: Int32):
+        """One K or V block into its pipeline stage (waits for the stage to be released)."""
+        pipe.producer_acquire(state)
+        cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
