@@ -1,9 +1,9 @@
 """Hopper (sm90a) forward: variant configs and a torch-side launcher for the FlashAttention-3 style
 kernel in ``cute_flash.hopper.fwd``.
 
-Compile-only groundwork: nothing here is wired into the public dispatch (``cute_flash.api`` keeps
-using the sm80 kernels on every GPU) until the kernel has been checked on an H200. The compiled
-function takes exactly the sm80 forward's arguments, so ``run_fwd_sm90`` mirrors ``fwd.run_fwd``.
+Every public forward entry point runs it on a Hopper GPU (``fwd.fwd_family``;
+``CUTE_FLASH_FWD_KERNEL=sm80`` selects the FA2 kernel instead). The compiled function takes
+exactly the sm80 forward's arguments, so ``run_fwd_sm90`` mirrors ``fwd.run_fwd``.
 """
 
 from __future__ import annotations
@@ -117,5 +117,5 @@ class FwdSm90Config(jit.KernelConfig):
 def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  **kwargs) -> None:
     """Launch the sm90a forward on validated CUDA tensors (an H100/H200); same contract and keyword
-    arguments as ``cute_flash.fwd.run_fwd``. Not used by the public API yet."""
+    arguments as ``cute_flash.fwd.run_fwd``, with the sm90 family forced."""
     run_fwd(q, k, v, out, lse, config_cls=FwdSm90Config, **kwargs)

@@ -1,4 +1,4 @@
-"""FlashAttention-3 style forward for Hopper (sm90a). Compile-only so far: not in the public dispatch.
+"""FlashAttention-3 style forward for Hopper (sm90a), the forward of every public entry point there.
 
 One CTA owns ``tile_m`` query rows of one (batch, head); its threads are 1 + ``num_mma_wg``
 warpgroups. Warpgroup 0 is the producer: it gives registers back (``setmaxnreg.dec``) and one of
@@ -11,7 +11,11 @@ fp32 accumulator, P is converted to 16 bit in registers and O += P V is an RS-wg
 registers, V^T read from smem as an MN-major operand). K/V blocks are walked last to first as in
 the sm80 kernel, so the partial block and the causal/window edge blocks are peeled and masked
 while the interior runs unmasked. TMA zero-fills rows past the tensor end (no predicates on the
-loads); the epilogue goes registers -> smem (Q's buffer) -> predicated 16-byte global stores.
+loads; V runs one block behind K). Consumer warpgroups take turns at the tensor cores (ping-pong,
+named barriers) and/or issue the next Q K^T before the softmax (intra-warpgroup overlap), per the
+tuned table in ``fwd_sm90.py``. Causal tiles are handed out longest first
+(``kernels/tile_scheduler.py``). The epilogue goes registers -> smem (Q's buffer, stmatrix) -> a
+TMA store (predicated 16-byte stores for packed varlen outputs).
 """
 
 import cutlass
