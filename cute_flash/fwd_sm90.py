@@ -42,6 +42,8 @@ SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
     256: (128, 80, 2, 2, False, True),
 }
 
+SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
     """The tuned (tile_m, tile_n, stages, warpgroups, ping-pong, overlap) for a head dim."""
