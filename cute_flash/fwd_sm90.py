@@ -27,16 +27,16 @@ SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     # d=64: three consumer warpgroups (160 registers each) on 192 rows.
     64: (192, 128, 2, 3, True, True),
     96: (128, 128, 2, 2, False, True),
-    # d=128: 128x160 measured the same (639) and spends more registers.
+    # d=128: 128x160 measured the same (639) and spends more registers; 3 K/V stages no better
+    # (633 vs 640).
     128: (128, 128, 2, 2, False, True),
     160: (128, 96, 2, 2, True, True),
     192: (128, 96, 2, 2, True, True),
     256: (128, 80, 2, 2, True, True),
 }
-# Causal / sliding-window variants where they differ: the masked edge blocks raise the register
-# peak (the 192-row d=64 tile spills there) and ping-pong measured slower (d=64: 404 vs 438).
+# Causal / sliding-window variants where they differ (ping-pong measured no better for d >= 160).
+# d=64 causal keeps the 192-row tile: 460 vs 437 (128x128) at N=8k, 343 vs 338 at 2k.
 SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (128, 128, 2, 2, False, True),
     160: (128, 96, 2, 2, False, True),
     192: (128, 96, 2, 2, False, True),
     256: (128, 80, 2, 2, False, True),
