@@ -174,6 +174,11 @@ def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     """
     if config_cls is None:
         config_cls = fwd_family(q.device, q.shape[-1], v.shape[-1])
+    if config_cls is not FwdConfig:
+        # Broadcast inputs (stride 0 on a dim of extent > 1, e.g. K/V expanded over heads) are not
+        # a layout we have checked the TMA descriptors with: materialise them rather than risk it.
+        q, k, v = (t.contiguous() if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+                   else t for t in (q, k, v))
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
     cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen, config_cls=config_cls)

@@ -236,6 +236,20 @@ def test_value_head_dim_different_from_qk_head_dim(seed, case):
     check_against_rule(*make_qkv(case), seed, case, **case.kwargs())
 
 
+def test_kv_broadcast_over_heads_with_zero_stride_within_twice_pytorch_error(seed):
+    """K/V expanded over the heads (stride 0, no copy by the caller) give the same answer as the
+    materialised tensors; the sm90 forward's TMA descriptors never see a zero stride."""
+    b, n, h, d = 2, 333, 4, 128
+    q = torch.randn(b, n, h, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(b, n, 1, d, device="cuda", dtype=BF16).expand(b, n, h, d) for _ in range(2))
+    assert k.stride(2) == 0
+    out, lse = cute_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    kc, vc = k.contiguous(), v.contiguous()
+    r_out, _ = attention_ref(q.float(), kc.float(), vc.float(), causal=True)
+    s_out, _ = attention_ref(q, kc, vc, upcast=False, causal=True)
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, "kv-broadcast")
+
+
 def test_value_head_dim_larger_than_qk_forward_matches_and_backward_raises(seed):
     case = Case(hdim=64, hdim_v=256, window=(64, 32), nq=1000, nk=113, layout="bhnd")
     q, k, v = make_qkv(case)
