@@ -81,6 +81,7 @@ class FwdSm90Config(jit.KernelConfig):
     intra_wg_overlap: bool | None = None
     l2_sections: bool | None = None
     rescale_o_early: bool | None = None
+    pack_gqa: int = 1
 
     kernel_name = "fwd_sm90"
 
@@ -104,6 +105,8 @@ class FwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 forward: 2 or 3 consumer warpgroups")
         if self.tile_m != 64 * self.num_mma_wg:
             raise ValueError("sm90 forward: tile_m must be 64 rows per consumer warpgroup")
+        if self.pack_gqa < 1 or self.tile_m % self.pack_gqa != 0 or (self.pack_gqa > 1 and self.varlen):
+            raise ValueError("sm90 forward: pack_gqa must divide tile_m, and packed inputs are dense")
         if self.tile_n % 16 != 0 or self.stages < 2:
             raise ValueError("sm90 forward: tile_n must be a multiple of 16 and stages >= 2")
 

@@ -51,12 +51,20 @@ VARIANTS = [
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, varlen=True),
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, varlen=True, causal=True,
                   pingpong=True, intra_wg_overlap=True),
+] + [
+    # Packed GQA (query heads of a KV group in one M tile), for short query sequences.
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, pack_gqa=8),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, pack_gqa=4),
+    FwdSm90Config(target="sm_90a", dtype="fp16", hdim=64, hdim_v=64, local=True, pack_gqa=6),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=256, hdim_v=256, causal=True, softcap=True, pack_gqa=8),
 ]
 
 
 def _id(cfg: FwdSm90Config) -> str:
     flags = [f for f in ("causal", "local", "softcap", "varlen") if getattr(cfg, f)] or ["plain"]
     flags += [f"pp{int(cfg.pingpong)}", f"ov{int(cfg.intra_wg_overlap)}", f"{cfg.tile_m}x{cfg.tile_n}"]
+    if cfg.pack_gqa > 1:
+        flags.append(f"pack{cfg.pack_gqa}")
     return f"{cfg.dtype}-d{cfg.hdim}-" + "-".join(flags)
 
 
@@ -114,6 +122,10 @@ def test_invalid_configs_are_rejected() -> None:
         FwdSm90Config(target="sm_90a", tile_m=64)
     with pytest.raises(ValueError):
         FwdSm90Config(target="sm_90a", stages=1)
+    with pytest.raises(ValueError):  # 128 rows do not split into groups of 3 heads
+        FwdSm90Config(target="sm_90a", pack_gqa=3)
+    with pytest.raises(ValueError):
+        FwdSm90Config(target="sm_90a", pack_gqa=4, varlen=True)
 
 
 def test_same_call_signature_as_sm80() -> None:
@@ -157,10 +169,8 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", GPU_CASES)
-def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
+def _check_on_hopper(case: tuple, pack: int = 1) -> None:
+    """Run one config on the GPU against the fp32 reference (the 2x rule, + 1e-3)."""
     import math
 
     import torch
@@ -193,7 +203,7 @@ def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
     c, local, left, right = normalize_window(causal, window)
     cfg = fwd_sm90.FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=c, local=local,
                                  softcap=softcap > 0, varlen=varlen, pingpong=pingpong,
-                                 intra_wg_overlap=overlap)
+                                 intra_wg_overlap=overlap, pack_gqa=pack)
     fn = jit.compile_kernel(cfg)
     mq = max(lq) if varlen else Nq
     fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq)
@@ -209,3 +219,29 @@ def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
     assert (lse[~fin] == float("-inf")).all()
     if fin.any():
         assert (lse[fin] - lse_ref[fin]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_sm90_fwd_matches_reference_on_hopper(case: tuple) -> None:
+    _check_on_hopper(case)
+
+
+# Packed GQA (``pack_gqa`` = query heads per KV head in one M tile): decode-like and short
+# prefill shapes, causal (bottom-right) and windowed, partial tiles in both dims.
+PACKED_CASES = [
+    # (case as in GPU_CASES, pack)
+    ((4, 1, 1000, 32, 4, 128, False, (-1, -1), 0.0, False, None, None), 8),
+    ((2, 5, 777, 16, 2, 128, True, (-1, -1), 0.0, False, None, None), 8),
+    ((2, 33, 400, 8, 2, 64, True, (-1, -1), 0.0, False, None, None), 4),
+    ((2, 40, 513, 12, 2, 64, False, (64, 8), 0.0, False, None, None), 6),
+    ((1, 3, 300, 8, 1, 256, True, (-1, -1), 30.0, False, None, None), 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case,pack", PACKED_CASES)
+def test_sm90_packed_gqa_matches_reference_on_hopper(case: tuple, pack: int) -> None:
+    _check_on_hopper(case, pack)

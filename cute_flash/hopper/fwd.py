@@ -30,7 +30,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_flash.ampere import common
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.convert import convert_pairs
-from cute_flash.kernels.layout import acc_to_mn, transpose_smem
+from cute_flash.kernels.layout import acc_to_mn, pack_heads, transpose_smem
 from cute_flash.kernels.mask import AttentionMask
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
@@ -82,6 +82,9 @@ class FlashFwdSm90:
         self.num_threads = self.num_mma_threads + 128
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+        # Packed GQA: the ``pack`` query heads sharing a KV head fill the M tile together
+        # (decode: one token x ``pack`` heads per row group instead of 1 useful row in 128).
+        self.pack = cfg.pack_gqa
         self.pingpong, self.overlap = cfg.pingpong, cfg.intra_wg_overlap
         # With overlap, the O rescale of block n sits between the wait for P V(n+1) and the next
         # GEMMs. For wide O (d_v > 128: 128+ accumulator registers per thread) it is long enough
@@ -152,7 +155,12 @@ class FlashFwdSm90:
         mLSE = common.lse_to_seq_head(mLSE)
         # TMA descriptors are made on the host and passed to the kernel (grid-constant params).
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, self.hdim))
+        num_head_q = mQ.shape[2]
+        if cutlass.const_expr(self.pack > 1):
+            tma_Q, mQ_tma = self.packed_tma(g2s, mQ, self.sQ_layout, self.hdim)
+            mLSE = pack_heads(mLSE, self.pack, head_mode=1)
+        else:
+            tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, self.hdim))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(self.sK_layout, mode=[0, 1]),
                                                     (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.select(self.sV_layout, mode=[0, 1]),
@@ -160,7 +168,10 @@ class FlashFwdSm90:
         # O goes out through a TMA store, which clips rows past the tensor's end. Packed (varlen)
         # outputs keep predicated stores: a box would run into the next batch's rows.
         tma_O, mO_out = None, mO
-        if cutlass.const_expr(not self.varlen):
+        if cutlass.const_expr(self.pack > 1):
+            tma_O, mO_out = self.packed_tma(cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout,
+                                            self.hdim_v)
+        elif cutlass.const_expr(not self.varlen):
             tma_O, mO_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                         self.sO_layout, (self.tile_m, self.hdim_v))
         if cutlass.const_expr(self.varlen):
@@ -173,7 +184,9 @@ class FlashFwdSm90:
             num_batch = mQ.shape[3]
             seqlen_q = mQ.shape[0]
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
-        sched = TileScheduler.create(cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch,
+        # Packed GQA: a grid row per KV head, ``pack`` times as many query rows.
+        sched = TileScheduler.create(cute.ceil_div(seqlen_q * self.pack, self.tile_m),
+                                     num_head_q // self.pack, num_batch,
                                      mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
                                      lpt=self.is_causal or self.is_local, varlen=self.varlen,
                                      l2_sections=self.cfg.l2_sections)
@@ -182,6 +195,17 @@ class FlashFwdSm90:
                     Storage).launch(
             grid=sched.grid(), block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
+
+    def packed_tma(self, op, mT: cute.Tensor, s_layout, cols: int):
+        """TMA atom and coordinate tensor for a packed-GQA Q/O: (N, d, H, B) is read as
+        ((H, N), d, B), the box covering ``pack`` heads x tile_m/pack tokens (still a 4-D
+        descriptor), and the coordinates are handed out as ((pack, N), d, H/pack, B)."""
+        heads_first = cute.make_tensor(mT.iterator, cute.select(mT.layout, mode=[2, 0, 1, 3]))
+        atom, t = cpasync.make_tiled_tma_atom(op, cute.group_modes(heads_first, 0, 2), s_layout,
+                                              ((self.pack, self.tile_m // self.pack), cols))
+        shape = ((self.pack, t.shape[0][1]), t.shape[1], t.shape[0][0] // self.pack, t.shape[2])
+        stride = ((t.stride[0][0], t.stride[0][1]), t.stride[1], t.stride[0][0] * self.pack, t.stride[2])
+        return atom, cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -224,10 +248,11 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
 
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
+        seqlen = SeqlenInfo(batch, seqlen_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows
         # (the whole CTA leaves together: the condition is uniform).
-        if m_block * self.tile_m < seqlen.seqlen_q:
+        if m_block * self.tile_m < seqlen.seqlen_q * self.pack:
             self.attend_tile(mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, tma_O, pipe_q, pipe_k,
                              pipe_v, seqlen, score_scale, scale_log2, window_left, window_right, warp_idx,
                              m_block, head, batch)
@@ -237,7 +262,7 @@ class FlashFwdSm90:
                     pipe_v, seqlen: SeqlenInfo, score_scale, scale_log2, window_left, window_right,
                     warp_idx, m_block, head, batch):
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
-                               window_left, window_right)
+                               window_left, window_right, pack=self.pack)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
         right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
         left_end = block_info.n_block_left_mask_end(seqlen, m_block, n_block_min)
@@ -318,7 +343,7 @@ class FlashFwdSm90:
         acc_O.fill(0.0)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4)
         softmax.reset()
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right)
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right, pack=self.pack)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
@@ -494,7 +519,7 @@ class FlashFwdSm90:
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, tma_O, sO, tidx, head, batch):
         seqlen = ctx.seqlen
-        rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
+        rows_left = seqlen.seqlen_q * self.pack - ctx.m_block * self.tile_m
         # LSE: the lane holding column 0 of a row writes it (-inf for rows that saw no key).
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
         ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)

@@ -16,14 +16,24 @@ from cute_flash.kernels.seqlen import SeqlenInfo
 
 
 class BlockInfo:
+    """``pack``: query rows of the M tile are (token, head-in-group) pairs with the ``pack`` query
+    heads of one KV head adjacent (packed GQA): row r is token r // pack. 1 = one head per tile."""
+
     def __init__(self, tile_m: int, tile_n: int, is_causal: bool, is_local: bool,
-                 window_left: Int32, window_right: Int32):
+                 window_left: Int32, window_right: Int32, pack: int = 1):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.is_causal = is_causal
         self.is_local = is_local
         self.window_left = window_left
         self.window_right = window_right
+        self.pack = pack
+
+    def token_range(self, m_block: Int32):
+        """[first, end) query tokens of the rows of ``m_block``."""
+        if cutlass.const_expr(self.pack == 1):
+            return m_block * self.tile_m, (m_block + 1) * self.tile_m
+        return (m_block * self.tile_m) // self.pack, ((m_block + 1) * self.tile_m - 1) // self.pack + 1
 
     @cute.jit
     def n_block_min_max(self, seqlen: SeqlenInfo, m_block: Int32):
@@ -31,12 +41,13 @@ class BlockInfo:
         n_block_max = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
         n_block_min = Int32(0)
         offset = seqlen.seqlen_k - seqlen.seqlen_q
+        first, end = self.token_range(m_block)
         if cutlass.const_expr(self.is_causal):
-            right_end = (m_block + 1) * self.tile_m + offset
+            right_end = end + offset
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(right_end, 0), self.tile_n))
         if cutlass.const_expr(self.is_local):
-            w_right_end = (m_block + 1) * self.tile_m + offset + self.window_right
-            w_left_start = m_block * self.tile_m + offset - self.window_left
+            w_right_end = end + offset + self.window_right
+            w_left_start = first + offset - self.window_left
             if self.window_right >= 0:
                 n_block_max = cutlass.min(n_block_max,
                                           cute.ceil_div(cutlass.max(w_right_end, 0), self.tile_n))
@@ -56,7 +67,7 @@ class BlockInfo:
                 right = self.window_right
             # Last key the block's first (most restricted) row may see; blocks ending at or before
             # it are fully visible to every row of the block.
-            first_row_limit = m_block * self.tile_m + offset + right
+            first_row_limit = self.token_range(m_block)[0] + offset + right
             res = cutlass.max(n_block_min, cutlass.max(first_row_limit + 1, 0) // self.tile_n)
             if cutlass.const_expr(self.is_local):
                 if self.window_right < 0:
@@ -71,7 +82,7 @@ class BlockInfo:
         res = n_block_min
         if cutlass.const_expr(self.is_local):
             offset = seqlen.seqlen_k - seqlen.seqlen_q
-            last_row_start = (m_block + 1) * self.tile_m - 1 + offset - self.window_left
+            last_row_start = self.token_range(m_block)[1] - 1 + offset - self.window_left
             if self.window_left >= 0:
                 res = cutlass.max(n_block_min, cute.ceil_div(cutlass.max(last_row_start, 0), self.tile_n))
         return res

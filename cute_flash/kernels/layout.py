@@ -39,3 +39,12 @@ def transpose_smem(t: cute.Tensor) -> cute.Tensor:
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def pack_heads(t: cute.Tensor, pack: int, head_mode: int) -> cute.Tensor:
+    """Packed GQA view: (N, ..., H, ...) -> ((pack, N), ..., H/pack, ...), the ``pack`` query heads
+    of one KV head interleaved with the tokens (row r = token r // pack, head r % pack)."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = ((pack, s[0]), *s[1:head_mode], s[head_mode] // pack, *s[head_mode + 1:])
+    stride = ((d[head_mode], d[0]), *d[1:head_mode], d[head_mode] * pack, *d[head_mode + 1:])
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))

@@ -15,7 +15,9 @@ from cute_flash.kernels.seqlen import SeqlenInfo
 
 class AttentionMask:
     def __init__(self, tile_m: int, tile_n: int, seqlen: SeqlenInfo, window_left: Int32,
-                 window_right: Int32):
+                 window_right: Int32, pack: int = 1):
+        # pack > 1: packed GQA rows (see BlockInfo), row r of the tile is token r // pack.
+        self.pack = pack
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.seqlen = seqlen
@@ -43,6 +45,8 @@ class AttentionMask:
             right = self.window_right
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = row0 + coords[r, 0][ROW]
+            if cutlass.const_expr(self.pack > 1):
+                row = row // self.pack
             # Key limits of this row; the unbounded sides get limits no key reaches.
             col_hi = seqlen_k
             if cutlass.const_expr(use_right):
