@@ -56,16 +56,22 @@ class TileScheduler:
         bx, by, bz = cute.arch.block_idx()
         m_block, head, batch = bx, by, bz
         if cutlass.const_expr(not varlen):
-            per_section = group * num_m
-            section = bx // per_section
-            in_section = bx - section * per_section
-            # The last section may hold fewer heads.
-            heads_here = cutlass.min(group, num_hb - section * group)
-            m = in_section // heads_here
-            hb = section * group + (in_section - m * heads_here)
-            m_block = m
-            batch = hb // num_head
-            head = hb - batch * num_head
+            m_block, head, batch = section_order(bx, num_m, num_head, num_hb, group)
         if cutlass.const_expr(lpt):
             m_block = num_m - 1 - m_block
         return m_block, head, batch
+
+
+def section_order(idx, num_m, num_head, num_hb, group):
+    """(m_block, head, batch) of linear tile ``idx``: sections of ``group`` (batch, head) pairs,
+    the head varying fastest inside a section, then the m-block. Plain integer arithmetic, so the
+    same code runs in the kernel (Int32) and in the CPU tests (int)."""
+    per_section = group * num_m
+    section = idx // per_section
+    in_section = idx - section * per_section
+    # The last section may hold fewer heads.
+    heads_here = cutlass.min(group, num_hb - section * group)
+    m = in_section // heads_here
+    hb = section * group + (in_section - m * heads_here)
+    batch = hb // num_head
+    return m, hb - batch * num_head, batch
