@@ -91,9 +91,8 @@ class FlashFwdSm90:
         # to show: apply it one block late instead, while Q K^T(n) runs and before P V(n+1) is
         # issued (O is not an operand of Q K^T).
         self.rescale_before_pv = self.overlap and cfg.rescale_o_early
-        # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups
-        # (32 * 128 + 160 * 384 = 65536 with three; that layout spills today and is rejected by
-        # the config).
+        # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups,
+        # 32 * 128 + 160 * 384 = 65536 with three (the 192-row d=64 tile).
         self.producer_regs = 24 if self.num_mma_wg == 2 else 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
         elem = self.dtype.width // 8
