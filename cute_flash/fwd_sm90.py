@@ -82,6 +82,9 @@ class FwdSm90Config(jit.KernelConfig):
     l2_sections: bool | None = None
     rescale_o_early: bool | None = None
     pack_gqa: int = 1
+    # Seed each row's sum chain with row_sum * scale (flash-attn-4's order): in SASS the O rescale
+    # then interleaves with the exponentials instead of trailing them. Off until measured.
+    seed_row_sum: bool = False
 
     kernel_name = "fwd_sm90"
 

@@ -57,6 +57,10 @@ VARIANTS = [
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, pack_gqa=4),
     FwdSm90Config(target="sm_90a", dtype="fp16", hdim=64, hdim_v=64, local=True, pack_gqa=6),
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=256, hdim_v=256, causal=True, softcap=True, pack_gqa=8),
+] + [
+    # The row-sum chain seeded with the rescale factor (flash-attn-4's order), off by default.
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, seed_row_sum=True),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, causal=True, seed_row_sum=True),
 ]
 
 
@@ -65,6 +69,8 @@ def _id(cfg: FwdSm90Config) -> str:
     flags += [f"pp{int(cfg.pingpong)}", f"ov{int(cfg.intra_wg_overlap)}", f"{cfg.tile_m}x{cfg.tile_n}"]
     if cfg.pack_gqa > 1:
         flags.append(f"pack{cfg.pack_gqa}")
+    if cfg.seed_row_sum:
+        flags.append("seeded")
     return f"{cfg.dtype}-d{cfg.hdim}-" + "-".join(flags)
 
 
@@ -169,7 +175,7 @@ GPU_CASES = [
 ]
 
 
-def _check_on_hopper(case: tuple, pack: int = 1) -> None:
+def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool) -> None:
     """Run one config on the GPU against the fp32 reference (the 2x rule, + 1e-3)."""
     import math
 
@@ -203,7 +209,7 @@ def _check_on_hopper(case: tuple, pack: int = 1) -> None:
     c, local, left, right = normalize_window(causal, window)
     cfg = fwd_sm90.FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=c, local=local,
                                  softcap=softcap > 0, varlen=varlen, pingpong=pingpong,
-                                 intra_wg_overlap=overlap, pack_gqa=pack)
+                                 intra_wg_overlap=overlap, pack_gqa=pack, **extra)
     fn = jit.compile_kernel(cfg)
     mq = max(lq) if varlen else Nq
     fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq)
@@ -245,3 +251,10 @@ PACKED_CASES = [
 @pytest.mark.parametrize("case,pack", PACKED_CASES)
 def test_sm90_packed_gqa_matches_reference_on_hopper(case: tuple, pack: int) -> None:
     _check_on_hopper(case, pack)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]])
+def test_sm90_seeded_row_sum_matches_reference_on_hopper(case: tuple) -> None:
+    _check_on_hopper(case, seed_row_sum=True)

@@ -340,7 +340,8 @@ class FlashFwdSm90:
         tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         acc_O.fill(0.0)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
+                                seed_sum=self.cfg.seed_row_sum)
         softmax.reset()
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right, pack=self.pack)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across

@@ -45,9 +45,10 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 
 
 class OnlineSoftmax:
-    def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1):
+    def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False):
         self.scale_log2 = scale_log2
         self.max_chains = max_chains
+        self.seed_sum = seed_sum
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -76,16 +77,27 @@ class OnlineSoftmax:
             self.row_max[r] = m_new
             # A row with every key masked so far has m = -inf: use 0 so exp2 gives 0, not NaN.
             m_scaled = (m_new if m_new != -Float32.inf else Float32(0.0)) * self.scale_log2
-            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-            acc_mn[r, None].store(p)
-            psum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if cutlass.const_expr(is_first):
-                row_scale[r] = Float32(1.0)
-                self.row_sum[r] = psum
-            else:
+            if cutlass.const_expr(self.seed_sum and not is_first):
+                # The rescale factor first, and the sum chain seeded with row_sum * scale: the
+                # scale's exp2 then heads the longest dependency chain, so ptxas issues it early
+                # and the O rescale that needs it can fill the gaps between the P exponentials
+                # (otherwise it lands as one serial block before the next GEMM).
                 scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
                 row_scale[r] = scale
-                self.row_sum[r] = self.row_sum[r] * scale + psum
+                p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+                acc_mn[r, None].store(p)
+                self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, self.row_sum[r] * scale, 0)
+            else:
+                p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+                acc_mn[r, None].store(p)
+                psum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if cutlass.const_expr(is_first):
+                    row_scale[r] = Float32(1.0)
+                    self.row_sum[r] = psum
+                else:
+                    scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+                    row_scale[r] = scale
+                    self.row_sum[r] = self.row_sum[r] * scale + psum
         return row_scale
 
     @cute.jit
