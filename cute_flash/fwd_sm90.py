@@ -63,6 +63,8 @@ class FwdSm90Config(jit.KernelConfig):
     while P V is in flight. ``l2_sections``: tile order by sections of heads whose K/V fit in L2
     (default for causal/local, with longest-first m-blocks) instead of head by head
     (``kernels/tile_scheduler.py``). Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``.
+    ``pack_gqa`` > 1: the query heads of one KV head share the M tile (short Nq); it must equal
+    H / H_kv of the inputs (the kernel reads head groups of that size) and divide ``tile_m``.
     ``varlen``: packed (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
     """
 
