@@ -70,6 +70,20 @@ def lse_to_seq_head(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=mode))
 
 
+def forward_views(mQ, mK, mV, mO, mLSE):
+    """Kernel views of every forward's tensors: Q, K, V, O as (N, d, H, B) (packed: (T, d, H)) and
+    LSE as (N, H, B) (packed: (T, H))."""
+    return (*[to_seq_dim_head(t) for t in (mQ, mK, mV, mO)], lse_to_seq_head(mLSE))
+
+
+def grid_rows(mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q):
+    """(batches, query rows) a forward grid covers: varlen grids are sized by the longest
+    sequence (shorter ones leave CTAs that exit at once); ``mQ`` as from ``forward_views``."""
+    if mCuSeqlensQ is not None:
+        return mCuSeqlensQ.shape[0] - 1, max_seqlen_q
+    return mQ.shape[3], mQ.shape[0]
+
+
 @cute.jit
 def load_rows(tiled_copy, thr_copy, gT: cute.Tensor, sT: cute.Tensor, rows: int, cols: int,
               rows_left: Int32, tidx: Int32):

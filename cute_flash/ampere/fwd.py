@@ -64,14 +64,8 @@ class FlashFwdSm80:
                  max_seqlen_q: Int32, stream):
         self._setup()
         Storage = self._storage()
-        mQ, mK, mV, mO = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mO)]
-        mLSE = common.lse_to_seq_head(mLSE)
-        if cutlass.const_expr(self.varlen):
-            num_batch = mCuSeqlensQ.shape[0] - 1
-            seqlen_q = max_seqlen_q
-        else:
-            num_batch = mQ.shape[3]
-            seqlen_q = mQ.shape[0]
+        mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
+        num_batch, seqlen_q = common.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,

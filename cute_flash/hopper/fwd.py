@@ -150,8 +150,11 @@ class FlashFwdSm90:
                  max_seqlen_q: Int32, stream):
         self._setup()
         Storage = self._storage()
-        mQ, mK, mV, mO = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mO)]
-        mLSE = common.lse_to_seq_head(mLSE)
+        mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
+        # Packed (varlen) inputs: the TMA boxes start at each batch's first row (cu_seqlens), so a
+        # box may run into the next batch's rows; those keys are masked (seqlen mask) and those
+        # query rows are never stored.
+        num_batch, seqlen_q = common.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
         # TMA descriptors are made on the host and passed to the kernel (grid-constant params).
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         num_head_q = mQ.shape[2]
@@ -173,15 +176,6 @@ class FlashFwdSm90:
         elif cutlass.const_expr(not self.varlen):
             tma_O, mO_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                         self.sO_layout, (self.tile_m, self.hdim_v))
-        if cutlass.const_expr(self.varlen):
-            # Packed (T, d, H): the TMA boxes start at each batch's first row (cu_seqlens), so a
-            # box may run into the next batch's rows; those keys are masked (seqlen mask) and
-            # those query rows are never stored.
-            num_batch = mCuSeqlensQ.shape[0] - 1
-            seqlen_q = max_seqlen_q
-        else:
-            num_batch = mQ.shape[3]
-            seqlen_q = mQ.shape[0]
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         # Packed GQA: a grid row per KV head, ``pack`` times as many query rows.
         sched = TileScheduler.create(cute.ceil_div(seqlen_q * self.pack, self.tile_m),
