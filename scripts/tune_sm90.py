@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--tiles", nargs="*", default=[], help="extra d:tile_m,tile_n,stages candidates")
-    ap.add_argument("--switches", default="all", choices=["all", "best"])
-    ap.add_argument("--set", nargs="*", default=[], help="extra FwdSm90Config fields, name=0|1")
+    ap.add_argument("--switches", default="all", choices=["all", "best", "default"])
+    ap.add_argument("--set", nargs="*", default=[],
+                    help="extra FwdSm90Config fields, name=0|1; name=0,1 times both values side by side")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--l2", type=int, nargs="+", default=[-1], help="l2_sections values (-1: default)")
     args = ap.parse_args()
@@ -43,6 +44,11 @@ def main() -> None:
     for t in args.tiles:
         d, rest = t.split(":")
         extra.setdefault(int(d), []).append(tuple(int(x) for x in rest.split(",")))
+    # Every combination of the --set values: "a=0,1 b=1" gives {a:0,b:1} and {a:1,b:1}.
+    field_sets: list[dict[str, bool]] = [{}]
+    for a in args.set:
+        name, values = a.split("=")
+        field_sets = [{**f, name: bool(int(v))} for f in field_sets for v in values.split(",")]
     try:
         from flash_attn.cute import flash_attn_func as fa4
     except Exception:  # noqa: BLE001 - absent peer is just skipped
@@ -65,13 +71,16 @@ def main() -> None:
                 for tile in tiles:
                     # Every switch combination for the default tile; extra tiles with overlap on.
                     switches = SWITCHES if args.switches == "all" and tile is None else SWITCHES[2:]
-                    for (pp, ov), l2 in ((sw, l2) for sw in switches for l2 in args.l2):
+                    if args.switches == "default":  # the shipped table's choice for this head dim
+                        switches = [(None, None)]
+                    for (pp, ov), l2, fields in ((sw, l2, f) for sw in switches for l2 in args.l2
+                                                 for f in field_sets):
                         kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
                         if l2 >= 0:
                             kw["l2_sections"] = bool(l2)
-                        kw.update({k: bool(int(v)) for k, v in (a.split("=") for a in args.set)})
-                        tag = (f"tile={tile or 'default'} pp={int(pp)} ov={int(ov)} l2={l2} "
-                               f"{' '.join(args.set)}")
+                        kw.update(fields)
+                        tag = (f"tile={tile or 'default'} pp={pp} ov={ov} l2={l2} "
+                               f"{' '.join(f'{k}={int(v)}' for k, v in fields.items())}")
                         try:
                             cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
                                                 pingpong=pp, intra_wg_overlap=ov, **kw)
