@@ -87,6 +87,10 @@ class FwdSm90Config(jit.KernelConfig):
     # Seed each row's sum chain with row_sum * scale (flash-attn-4's order): in SASS the O rescale
     # then interleaves with the exponentials instead of trailing them. Off until measured.
     seed_row_sum: bool = False
+    # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
+    # before each HGMMA) and mbarrier waits that poll once before the suspending wait.
+    uniform_desc: bool = True
+    try_wait_first: bool = True
 
     kernel_name = "fwd_sm90"
 

@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--switches", default="all", choices=["all", "best", "default"])
     ap.add_argument("--set", nargs="*", default=[],
                     help="extra FwdSm90Config fields, name=0|1; name=0,1 times both values side by side")
+    ap.add_argument("--variant", nargs="*", default=[],
+                    help="explicit field sets instead of --set products, e.g. 'seed_row_sum=1,pingpong=0'")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--l2", type=int, nargs="+", default=[-1], help="l2_sections values (-1: default)")
     args = ap.parse_args()
@@ -49,6 +51,9 @@ def main() -> None:
     for a in args.set:
         name, values = a.split("=")
         field_sets = [{**f, name: bool(int(v))} for f in field_sets for v in values.split(",")]
+    if args.variant:
+        field_sets = [{k: bool(int(v)) for k, v in (kv.split("=") for kv in var.split(",") if kv)}
+                      for var in args.variant]
     try:
         from flash_attn.cute import flash_attn_func as fa4
     except Exception:  # noqa: BLE001 - absent peer is just skipped
@@ -82,8 +87,10 @@ def main() -> None:
                         tag = (f"tile={tile or 'default'} pp={pp} ov={ov} l2={l2} "
                                f"{' '.join(f'{k}={int(v)}' for k, v in fields.items())}")
                         try:
+                            kw.setdefault("pingpong", pp)
+                            kw.setdefault("intra_wg_overlap", ov)
                             cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
-                                                pingpong=pp, intra_wg_overlap=ov, **kw)
+                                                **kw)
                             kern = jit.compile_kernel(cfg)
                         except Exception as e:  # noqa: BLE001
                             print(f"  {tag}: compile failed {e!r:.300}", flush=True)
@@ -98,18 +105,23 @@ def main() -> None:
                             print(f"  {tag}: WRONG rel-L2 {err:.3g}", flush=True)
                             continue
                         cands.append((tag, lambda kern=kern, call=call: kern(*call)))
-                # Clocks drift by a few percent within a run: time every candidate in
-                # ``rounds`` interleaved passes and keep each one's best.
-                best: dict[str, float] = {}
-                for _ in range(args.rounds):
-                    for label, fn in cands:
+                # Clocks drift by a few percent within a run (power and heat): time every
+                # candidate in ``rounds`` interleaved passes, rotating the order so no candidate
+                # always runs first or last, and report each one's best and every pass.
+                times: dict[str, list[float]] = {label: [] for label, _ in cands}
+                for r in range(args.rounds):
+                    shift = r % len(cands)
+                    for label, fn in cands[shift:] + cands[:shift]:
                         try:
-                            best[label] = min(best.get(label, math.inf), bench(fn))
+                            times[label].append(bench(fn))
                         except Exception as e:  # noqa: BLE001
                             print(f"  {label}: error {type(e).__name__}", flush=True)
                 print(f"d={d} N={n} causal={int(causal)}", flush=True)
-                for label, ms in best.items():
-                    print(f"  {label}: {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+                for label, ts in times.items():
+                    if ts:
+                        passes = " ".join(f"{flops / t / 1e9:.0f}" for t in ts)
+                        best = flops / min(ts) / 1e9
+                        print(f"  {label}: {best:.0f} TFLOP/s  (passes: {passes})", flush=True)
 
 
 if __name__ == "__main__":

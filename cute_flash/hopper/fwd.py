@@ -329,9 +329,16 @@ class FlashFwdSm90:
         tidx = tidx - 128
         thr_qk = self.mma_qk.get_slice(tidx)
         thr_pv = self.mma_pv.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # The smem operand descriptors depend only on the warpgroup: built from a warp-uniform
+        # slice they live in uniform registers, where HGMMA reads them (a per-thread slice puts
+        # them in regular registers and costs an R2UR pair before every HGMMA).
+        wg_qk, wg_pv = thr_qk, thr_pv
+        if cutlass.const_expr(self.cfg.uniform_desc):
+            wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         acc_O.fill(0.0)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
@@ -341,7 +348,6 @@ class FlashFwdSm90:
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-        wg = cute.arch.make_warp_uniform(tidx // 128)
         ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O,
                          rP=rP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, pipe_k=pipe_k,
                          pipe_v=pipe_v, n_block_min=n_block_min, score_scale=score_scale, wg=wg,
@@ -352,13 +358,23 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=256)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
+        self.wait_full(pipe_q, q_state)
         if n_block_max > n_block_min:
             self.mainloop(ctx, n_block_max, right_start, left_end)
 
         row_scale = softmax.finalize()
         OnlineSoftmax.rescale(acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, tma_O, sO, tidx, head, batch)
+
+    def wait_full(self, pipe, state) -> None:
+        """Consumer wait for a filled stage. The plain wait is a suspending try_wait loop, which
+        ptxas emits as TRYWAIT + NANOSLEEP.SYNCS: a stage that is not ready at the first poll
+        puts the warp to sleep. Polling once without the suspend hint first keeps the common
+        ready case a single TRYWAIT and a not-ready one a spin, as CUTLASS's FA3 does."""
+        if cutlass.const_expr(self.cfg.try_wait_first):
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        else:
+            pipe.consumer_wait(state)
 
     # Ping-pong scheduling (``pingpong``): the consumer warpgroups take turns issuing their GEMMs,
     # so one warpgroup's softmax overlaps the other's MMAs. Warpgroup w waits on barrier
@@ -437,7 +453,7 @@ class FlashFwdSm90:
         turn spans this block's P V and the next block's Q K^T."""
         acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         # S = Q K^T (SS-wgmma); K's stage goes back to the producer as soon as it is consumed.
-        ctx.pipe_k.consumer_wait(state)
+        self.wait_full(ctx.pipe_k, state)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
                 wg_wait=-1)
         self.sched_arrive(ctx)
@@ -448,7 +464,7 @@ class FlashFwdSm90:
             OnlineSoftmax.rescale(ctx.acc_O, row_scale)
         convert_pairs(acc_S, ctx.rP)
         # O += P V (RS-wgmma: P from registers).
-        ctx.pipe_v.consumer_wait(state)
+        self.wait_full(ctx.pipe_v, state)
         self.sched_sync(ctx)
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
@@ -461,7 +477,7 @@ class FlashFwdSm90:
                    mask_left: cutlass.Constexpr[bool]):
         """Intra-warpgroup overlap, first block: S, softmax and P only (its V stays acquired)."""
         acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        ctx.pipe_k.consumer_wait(state)
+        self.wait_full(ctx.pipe_k, state)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True)
         ctx.pipe_k.consumer_release(state)
         row_scale = self.scores(ctx, acc_S, n_block, True, True, mask_right, mask_left)
@@ -478,13 +494,13 @@ class FlashFwdSm90:
         v_state = state.clone()
         state.advance()
         acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        ctx.pipe_k.consumer_wait(state)
+        self.wait_full(ctx.pipe_k, state)
         self.sched_sync(ctx)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
                 wg_wait=-1)
         if cutlass.const_expr(self.rescale_before_pv):
             OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
-        ctx.pipe_v.consumer_wait(v_state)
+        self.wait_full(ctx.pipe_v, v_state)
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
                 zero_init=False, wg_wait=-1)
         self.sched_arrive(ctx)
@@ -505,7 +521,7 @@ class FlashFwdSm90:
         """Intra-warpgroup overlap: P V of the last block visited."""
         if cutlass.const_expr(self.rescale_before_pv):
             OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
-        ctx.pipe_v.consumer_wait(state)
+        self.wait_full(ctx.pipe_v, state)
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
         ctx.pipe_v.consumer_release(state)
