@@ -91,6 +91,11 @@ class FwdSm90Config(jit.KernelConfig):
     # before each HGMMA) and mbarrier waits that poll once before the suspending wait.
     uniform_desc: bool = True
     try_wait_first: bool = True
+    # Persistent grid of ``num_ctas`` CTAs (the SM count) looping over the tiles; 0: one CTA per
+    # tile. Dense inputs only (ignored for varlen).
+    num_ctas: int = 0
+    # O staged in its own smem buffer (where it fits) instead of Q's: derived, not set.
+    separate_o: bool = False
 
     kernel_name = "fwd_sm90"
 
@@ -118,6 +123,13 @@ class FwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 forward: pack_gqa must divide tile_m, and packed inputs are dense")
         if self.tile_n % 16 != 0 or self.stages < 2:
             raise ValueError("sm90 forward: tile_n must be a multiple of 16 and stages >= 2")
+        object.__setattr__(self, "separate_o", self.smem_bytes(separate_o=True) <= SM90_SMEM_LIMIT)
+
+    def smem_bytes(self, separate_o: bool) -> int:
+        """Shared memory of the tiles (16-bit elements, 1 KiB aligned) plus the mbarriers."""
+        q, o = self.tile_m * self.hdim * 2, self.tile_m * self.hdim_v * 2
+        kv = self.stages * self.tile_n * (self.hdim + self.hdim_v) * 2
+        return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024
 
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90

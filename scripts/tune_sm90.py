@@ -47,12 +47,12 @@ def main() -> None:
         d, rest = t.split(":")
         extra.setdefault(int(d), []).append(tuple(int(x) for x in rest.split(",")))
     # Every combination of the --set values: "a=0,1 b=1" gives {a:0,b:1} and {a:1,b:1}.
-    field_sets: list[dict[str, bool]] = [{}]
+    field_sets: list[dict[str, int]] = [{}]
     for a in args.set:
         name, values = a.split("=")
-        field_sets = [{**f, name: bool(int(v))} for f in field_sets for v in values.split(",")]
+        field_sets = [{**f, name: int(v)} for f in field_sets for v in values.split(",")]
     if args.variant:
-        field_sets = [{k: bool(int(v)) for k, v in (kv.split("=") for kv in var.split(",") if kv)}
+        field_sets = [{k: int(v) for k, v in (kv.split("=") for kv in var.split(",") if kv)}
                       for var in args.variant]
     try:
         from flash_attn.cute import flash_attn_func as fa4

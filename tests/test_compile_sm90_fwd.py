@@ -175,7 +175,7 @@ GPU_CASES = [
 ]
 
 
-def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool) -> None:
+def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool | int) -> None:
     """Run one config on the GPU against the fp32 reference (the 2x rule, + 1e-3)."""
     import math
 
@@ -258,3 +258,28 @@ def test_sm90_packed_gqa_matches_reference_on_hopper(case: tuple, pack: int) -> 
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3], GPU_CASES[5]])
 def test_sm90_seeded_row_sum_matches_reference_on_hopper(case: tuple) -> None:
     _check_on_hopper(case, seed_row_sum=True)
+
+
+# Persistent grid with far fewer CTAs than tiles, so every CTA carries its pipeline phases, its
+# ping-pong turn and the Q/O buffer hand-back from tile to tile: separate and shared O buffers,
+# 2 and 3 consumer warpgroups, tiles with no key block (causal, Nq > Nk), windows, packed GQA.
+PERSISTENT_CASES = [
+    # (case as in GPU_CASES, pack, num_ctas)
+    ((2, 1000, 1000, 4, 2, 128, False, (-1, -1), 0.0, False, None, None), 1, 7),
+    ((2, 700, 300, 4, 4, 128, True, (-1, -1), 0.0, False, None, None), 1, 5),
+    ((2, 555, 600, 2, 2, 256, True, (-1, -1), 0.0, False, None, None), 1, 3),
+    ((2, 555, 600, 2, 2, 256, False, (-1, -1), 0.0, False, None, None), 1, 4),
+    ((2, 600, 640, 4, 2, 64, True, (-1, -1), 0.0, False, None, None), 1, 4),
+    ((2, 500, 700, 4, 4, 128, False, (64, 32), 0.0, False, None, None), 1, 6),
+    ((2, 512, 512, 4, 4, 128, False, (-1, -1), 0.0, False, False, False), 1, 5),
+    ((2, 512, 512, 4, 4, 128, True, (-1, -1), 0.0, False, True, True), 1, 5),
+    ((2, 300, 500, 4, 4, 192, True, (-1, -1), 0.0, False, None, None), 1, 3),
+    ((4, 1, 1000, 32, 4, 128, False, (-1, -1), 0.0, False, None, None), 8, 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case,pack,num_ctas", PERSISTENT_CASES)
+def test_sm90_persistent_grid_matches_reference_on_hopper(case: tuple, pack: int, num_ctas: int) -> None:
+    _check_on_hopper(case, pack, num_ctas=num_ctas)

@@ -95,6 +95,12 @@ class FlashFwdSm90:
         # 32 * 128 + 160 * 384 = 65536 with three (the 192-row d=64 tile).
         self.producer_regs = 24 if self.num_mma_wg == 2 else 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        # Persistent grid (``num_ctas`` > 0): a CTA loops over tiles (dense inputs only: a varlen
+        # grid's tiles are found from cu_seqlens on the device).
+        self.persistent = cfg.num_ctas > 0 and not self.varlen
+        # O gets its own smem buffer where it fits, so the next tile's Q can load during the
+        # epilogue; otherwise O is staged in Q's buffer.
+        self.separate_o = cfg.separate_o
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -126,19 +132,30 @@ class FlashFwdSm90:
         self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_mma_threads)
 
     def _storage(self):
-        sq = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
         stages = self.num_stages
+        sq, sk, sv, so = (cute.cosize(x) for x in (self.sQ_layout, self.sK_layout, self.sV_layout,
+                                                    self.sO_layout))
 
         @cute.struct
         class Storage:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, max(sq, so)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
 
-        return Storage
+        @cute.struct
+        class StorageWithO:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, so], 1024]
+
+        return StorageWithO if self.separate_o else Storage
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -183,10 +200,11 @@ class FlashFwdSm90:
                                      mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
                                      lpt=self.is_causal or self.is_local, varlen=self.varlen,
                                      l2_sections=self.cfg.l2_sections)
+        grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(),
                     Storage).launch(
-            grid=sched.grid(), block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
+            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
 
     def packed_tma(self, op, mT: cute.Tensor, s_layout, cols: int):
@@ -212,8 +230,6 @@ class FlashFwdSm90:
                Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_block, head, batch = TileScheduler.tile(sched_params, self.is_causal or self.is_local,
-                                                  self.varlen)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_Q)
             cpasync.prefetch_descriptor(tma_K)
@@ -237,79 +253,108 @@ class FlashFwdSm90:
         cute.arch.barrier()
 
         sQ = storage.sQ.get_tensor(self.sQ_layout.outer, swizzle=self.sQ_layout.inner)
-        sO = storage.sQ.get_tensor(self.sO_layout.outer, swizzle=self.sO_layout.inner)
+        sO_buf = storage.sO if cutlass.const_expr(self.separate_o) else storage.sQ
+        sO = sO_buf.get_tensor(self.sO_layout.outer, swizzle=self.sO_layout.inner)
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
-
-        seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
-        seqlen = SeqlenInfo(batch, seqlen_q, mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
-        # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows
-        # (the whole CTA leaves together: the condition is uniform).
-        if m_block * self.tile_m < seqlen.seqlen_q * self.pack:
-            self.attend_tile(mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, tma_O, pipe_q, pipe_k,
-                             pipe_v, seqlen, score_scale, scale_log2, window_left, window_right, warp_idx,
-                             m_block, head, batch)
-
-    @cute.jit
-    def attend_tile(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, sO, tma_Q, tma_K, tma_V, tma_O, pipe_q, pipe_k,
-                    pipe_v, seqlen: SeqlenInfo, score_scale, scale_log2, window_left, window_right,
-                    warp_idx, m_block, head, batch):
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
-                               window_left, window_right, pack=self.pack)
-        n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
-        right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
-        left_end = block_info.n_block_left_mask_end(seqlen, m_block, n_block_min)
+        smem = common.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO)
+        pipes = common.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
+        geo = common.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
+                         window_right=window_right, sched_params=sched_params)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, seqlen,
-                          m_block, head, batch, n_block_min, n_block_max)
+                self.producer(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(mO, mLSE, tma_O, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen, m_block, head,
-                         batch, n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
-                         window_left, window_right)
+            self.consumer(mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2)
+
+    # ------------------------------------------------------------------------------------------
+    # Work: the tiles of this CTA and their K/V block ranges (same code in both roles)
+    # ------------------------------------------------------------------------------------------
+    def tile_range(self, sched_params):
+        """(first, end, step) of the linear tile indices this CTA visits. One tile per CTA unless
+        ``persistent``: then a grid of about one CTA per SM strides over every tile, so a CTA's
+        producer loads the next tile's K/V (and Q) while its consumers finish the current one, and
+        no CTA launch / barrier init / register reallocation sits between tiles."""
+        bx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.persistent):
+            gx, _, _ = cute.arch.grid_dim()
+            return bx, TileScheduler.num_tiles(sched_params), gx
+        return bx, bx + 1, 1
+
+    @cute.jit
+    def tile_work(self, mQ, mK, geo, tile_idx):
+        """Geometry of one tile: (m_block, head, batch, seqlen, has_rows, n_block_min, n_block_max)."""
+        m_block, head, batch = TileScheduler.tile(geo.sched_params, tile_idx, self.is_causal or self.is_local,
+                                                  self.varlen)
+        seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
+        seqlen = SeqlenInfo(batch, seqlen_q, mK.shape[0], geo.mCuSeqlensQ, geo.mCuSeqlensK)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+                               geo.window_left, geo.window_right, pack=self.pack)
+        n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
+        # Varlen grids are sized by the longest sequence; shorter ones leave tiles with no rows
+        # (skipped by both roles alike: the condition is uniform over the CTA).
+        has_rows = m_block * self.tile_m < seqlen.seqlen_q * self.pack
+        return m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-             seqlen: SeqlenInfo, m_block, head, batch, n_block_min, n_block_max):
+    def producer(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo):
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        first, end, step = self.tile_range(geo.sched_params)
+        for tile_idx in cutlass.range(first, end, step, unroll=1):
+            m_block, head, batch, seqlen, _, has_rows, n_block_min, n_block_max = self.tile_work(
+                mQ, mK, geo, tile_idx)
+            if has_rows:
+                q_state, k_state, v_state = self.load(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen,
+                                                      m_block, head, batch, n_block_min, n_block_max,
+                                                      q_state, k_state, v_state)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen: SeqlenInfo, m_block, head, batch,
+             n_block_min, n_block_max, q_state, k_state, v_state):
         # GQA/MQA: query head h reads kv head h // (H / H_kv).
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
         gV = cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
         one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2),
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2),
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2),
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        # Q always (even with no K/V block to visit: the consumers wait for it before reusing its
-        # buffer for O). Rows past the sequence end are zero-filled by the TMA unit.
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        # The first K block before Q: a persistent CTA's Q buffer frees only when the previous
+        # tile is done with it, while a K stage is usually free already.
+        n_block = n_block_max - 1
+        if n_block_max > n_block_min:
+            self.load_kv(tma_K, tKgK, tKsK, pipes.k, k_state, n_block)
+            k_state.advance()
+        # Q always (even with no K/V block to visit: the consumers wait for it, and it may share
+        # its buffer with O). Rows past the sequence end are zero-filled by the TMA unit.
+        pipes.q.producer_acquire(q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+        q_state.advance()
         # V runs one block behind K (K(n-1) is issued before V(n)): the consumers need K(n-1) for
         # the next Q K^T before V(n) for the current P V (intra-warpgroup overlap), and the single
         # producer warp must not sit on a V slot while a K slot is free.
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        n_block = n_block_max - 1
         if n_block_max > n_block_min:
-            self.load_kv(tma_K, tKgK, tKsK, pipe_k, k_state, n_block)
-            k_state.advance()
             for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
-                self.load_kv(tma_K, tKgK, tKsK, pipe_k, k_state, n_block - 1)
+                self.load_kv(tma_K, tKgK, tKsK, pipes.k, k_state, n_block - 1)
                 k_state.advance()
-                self.load_kv(tma_V, tVgV, tVsV, pipe_v, v_state, n_block)
+                self.load_kv(tma_V, tVgV, tVsV, pipes.v, v_state, n_block)
                 v_state.advance()
                 n_block -= 1
-            self.load_kv(tma_V, tVgV, tVsV, pipe_v, v_state, n_block)
+            self.load_kv(tma_V, tVgV, tVsV, pipes.v, v_state, n_block)
+            v_state.advance()
+        return q_state, k_state, v_state
 
     @cute.jit
     def load_kv(self, tma, tXgX, tXsX, pipe, state, n_block: Int32):
@@ -322,9 +367,7 @@ class FlashFwdSm90:
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, mO, mLSE, tma_O, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, seqlen: SeqlenInfo, m_block,
-                head, batch, n_block_min, n_block_max, right_start, left_end, score_scale, scale_log2,
-                window_left, window_right):
+    def consumer(self, mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         thr_qk = self.mma_qk.get_slice(tidx)
@@ -336,35 +379,66 @@ class FlashFwdSm90:
         wg_qk, wg_pv = thr_qk, thr_pv
         if cutlass.const_expr(self.cfg.uniform_desc):
             wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
-        acc_O.fill(0.0)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
                                 seed_sum=self.cfg.seed_row_sum)
-        softmax.reset()
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right, pack=self.pack)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-        ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O,
-                         rP=rP, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block, pipe_k=pipe_k,
-                         pipe_v=pipe_v, n_block_min=n_block_min, score_scale=score_scale, wg=wg,
+        ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ)),
+                         tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
+                         tOrVt=wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(smem.sV))),
+                         acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
+                         score_scale=score_scale, wg=wg, tidx=tidx,
                          row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
         if cutlass.const_expr(self.pingpong):
-            # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores.
+            # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores. Every
+            # warpgroup takes as many turns per tile, so the turn is back with it at each tile.
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=256)
-
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        first, end, step = self.tile_range(geo.sched_params)
+        for tile_idx in cutlass.range(first, end, step, unroll=1):
+            m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max = self.tile_work(
+                mQ, mK, geo, tile_idx)
+            if has_rows:
+                q_state, kv_state = self.consume(ctx, mO, mLSE, tma_O, smem, pipes.q, geo, seqlen, block_info,
+                                                 m_block, head, batch, n_block_min, n_block_max, q_state,
+                                                 kv_state)
+        if cutlass.const_expr(self.separate_o):
+            if tidx < 32:
+                # The last O store must be done reading smem before the CTA's smem goes away.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def consume(self, ctx, mO, mLSE, tma_O, smem, pipe_q, geo, seqlen: SeqlenInfo, block_info, m_block,
+                head, batch, n_block_min, n_block_max, q_state, kv_state):
+        """One tile: wait for Q, the K/V blocks, the epilogue, Q's buffer back to the producer."""
+        ctx.seqlen, ctx.m_block, ctx.n_block_min = seqlen, m_block, n_block_min
+        ctx.mask = AttentionMask(self.tile_m, self.tile_n, seqlen, geo.window_left, geo.window_right,
+                                 pack=self.pack)
+        ctx.acc_O.fill(0.0)
+        ctx.softmax.reset()
+        right_start = block_info.n_block_right_mask_start(seqlen, m_block, n_block_min)
+        left_end = block_info.n_block_left_mask_end(seqlen, m_block, n_block_min)
         self.wait_full(pipe_q, q_state)
         if n_block_max > n_block_min:
-            self.mainloop(ctx, n_block_max, right_start, left_end)
+            kv_state = self.mainloop(ctx, kv_state, n_block_max, right_start, left_end)
+        if cutlass.const_expr(self.separate_o):
+            # Every Q K^T of this tile has completed: the producer may load the next tile's Q
+            # while this one's epilogue runs.
+            pipe_q.consumer_release(q_state)
 
-        row_scale = softmax.finalize()
-        OnlineSoftmax.rescale(acc_O, row_scale)
-        self.epilogue(ctx, mO, mLSE, tma_O, sO, tidx, head, batch)
+        row_scale = ctx.softmax.finalize()
+        OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        self.epilogue(ctx, mO, mLSE, tma_O, smem.sO, ctx.tidx, head, batch)
+        if cutlass.const_expr(not self.separate_o):
+            # O went out through Q's buffer: hand it back once the store has read it (the
+            # storing warp waited for that in the epilogue).
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state, kv_state
 
     def wait_full(self, pipe, state) -> None:
         """Consumer wait for a filled stage. The plain wait is a suspending try_wait loop, which
@@ -389,10 +463,10 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=BAR_SCHED + nxt, number_of_threads=256)
 
     @cute.jit
-    def mainloop(self, ctx, n_block_max: Int32, right_start: Int32, left_end: Int32):
-        """K/V blocks from last to first: masked edge blocks, then the unmasked interior."""
+    def mainloop(self, ctx, state, n_block_max: Int32, right_start: Int32, left_end: Int32):
+        """K/V blocks from last to first: masked edge blocks, then the unmasked interior.
+        ``state``: the K/V pipelines' read position (carried from tile to tile); returned."""
         n_block_min = ctx.n_block_min
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         edge_right = self.is_causal or self.is_local
         if cutlass.const_expr(self.overlap):
             # S and P of the first block; its P V is issued together with the next block's QK^T.
@@ -419,9 +493,10 @@ class FlashFwdSm90:
                 state = self.step(ctx, state, n_block, mask_right=False, mask_left=True)
                 n_block -= 1
         if cutlass.const_expr(self.overlap):
-            self.last_half(ctx, state)
+            state = self.last_half(ctx, state)
         else:
             self.sched_arrive(ctx)
+        return state
 
     @cute.jit
     def step(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
@@ -525,6 +600,8 @@ class FlashFwdSm90:
         wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
         ctx.pipe_v.consumer_release(state)
+        state.advance()
+        return state
 
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, tma_O, sO, tidx, head, batch):
@@ -534,11 +611,17 @@ class FlashFwdSm90:
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
         ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)
 
-        # O: registers -> smem (Q's buffer, stmatrix) -> TMA store (predicated 16-byte stores for
-        # packed varlen outputs).
+        # O: registers -> smem (its own buffer, or Q's) via stmatrix -> TMA store (predicated
+        # 16-byte stores for packed varlen outputs).
         rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
         convert_pairs(ctx.acc_O, rO)
-        # Every consumer warpgroup is done reading Q (its wgmmas were waited for).
+        if cutlass.const_expr(tma_O is not None and self.separate_o):
+            # The previous tile's store may still be reading O's buffer (waited for only now, so
+            # that it overlapped this tile's main loop).
+            if tidx < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Every consumer warpgroup is done reading Q (its wgmmas were waited for) and the buffer
+        # is free.
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         r2s = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
                                      self.mma_pv).get_slice(tidx)
@@ -555,8 +638,9 @@ class FlashFwdSm90:
                                                    cute.group_modes(gO, 0, 2))
                 cute.copy(tma_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
-                # smem must outlive the TMA engine's reads of it.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(not self.separate_o):
+                    # Q's buffer goes back to the producer only once the TMA engine has read it.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
                               rows_left)

@@ -39,9 +39,13 @@ class TileScheduler:
             group = cutlass.max(cutlass.min(group, num_hb), 1)
         return TileScheduler(num_m, num_head, num_hb, group, lpt, varlen)
 
-    def grid(self) -> tuple:
+    def grid(self, num_ctas: int = 0) -> tuple:
+        """One CTA per tile, or (``num_ctas`` > 0, dense only) a persistent grid of at most
+        ``num_ctas`` CTAs that stride over the linear tile order."""
         if cutlass.const_expr(self.varlen):
             return (self.num_m, self.num_head, self.num_hb // self.num_head)
+        if cutlass.const_expr(num_ctas > 0):
+            return (cutlass.min(self.num_m * self.num_hb, num_ctas), 1, 1)
         return (self.num_m * self.num_hb, 1, 1)
 
     def params(self) -> tuple:
@@ -49,14 +53,20 @@ class TileScheduler:
         return (self.num_m, self.num_head, self.num_hb, self.group)
 
     @staticmethod
+    def num_tiles(params: tuple):
+        num_m, _, num_hb, _ = params
+        return num_m * num_hb
+
+    @staticmethod
     @cute.jit
-    def tile(params: tuple, lpt: cutlass.Constexpr[bool], varlen: cutlass.Constexpr[bool]):
-        """Device side: (m_block, head, batch) of this CTA."""
+    def tile(params: tuple, idx: Int32, lpt: cutlass.Constexpr[bool], varlen: cutlass.Constexpr[bool]):
+        """Device side: (m_block, head, batch) of linear tile ``idx`` (varlen: of this CTA,
+        ``idx`` being its x index)."""
         num_m, num_head, num_hb, group = params
-        bx, by, bz = cute.arch.block_idx()
-        m_block, head, batch = bx, by, bz
+        _, by, bz = cute.arch.block_idx()
+        m_block, head, batch = idx, by, bz
         if cutlass.const_expr(not varlen):
-            m_block, head, batch = section_order(bx, num_m, num_head, num_hb, group)
+            m_block, head, batch = section_order(idx, num_m, num_head, num_hb, group)
         if cutlass.const_expr(lpt):
             m_block = num_m - 1 - m_block
         return m_block, head, batch
