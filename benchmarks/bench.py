@@ -14,7 +14,9 @@ Grid (default): tokens B*N = 16384, hidden H*d = 2048, N in {512 .. 16k}, d in {
 not, fwd and bwd; bf16, (B, N, H, d) layout (SDPA gets transposed views, no copies).
 
 - FLOPs = 4*B*H*Nq*Nk*d, halved for causal; bwd FLOPs = 2.5x fwd (the flash-attention convention).
-- Times are medians of ``triton.testing.do_bench`` (CUDA events if triton is missing).
+- Times are medians of ``triton.testing.do_bench`` (CUDA events if triton is missing), taken in
+  ``--rounds`` passes over the providers with the order rotated each pass; the reported time is the
+  median over the passes (the H200's clock drifts with power and heat within seconds).
 - bwd is the backward alone: ``torch.autograd.grad`` on one saved forward graph (retain_graph=True),
   so it includes each provider's backward pre/post-processing kernels but not its forward.
 - Peak memory: ``torch.cuda.max_memory_allocated`` during one call (fwd) or one fwd+bwd (bwd), minus
@@ -245,6 +247,7 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
     recs: list[dict[str, Any]] = []
     ref: dict[str, torch.Tensor] = {}  # SDPA-flash's out/dq, for the sanity check of ours
     order = ["sdpa-flash"] + [p for p in providers if p != "sdpa-flash"]  # reference first
+    timed_calls: list[tuple[dict[str, Any], Callable[[], Any], float]] = []
     for name in [p for p in order if p in providers]:
         fwd = providers[name]
         for direction in dirs:
@@ -267,8 +270,7 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                             rec["rel_l2_vs_sdpa"] = rel_l2(o, ref["out"])
                         del o
                         rec["peak_mib"] = peak_mib(call)
-                        ms = bench_ms(call, args.warmup, args.rep)
-                        flops = fl
+                        timed, flops = call, fl
                     else:
                         o = fwd(q, k, v, causal)
                         dq = torch.autograd.grad(o, (q,), do, retain_graph=True)[0]
@@ -282,11 +284,9 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                             return torch.autograd.grad(f(q, k, v, causal), (q, k, v), do)
 
                         rec["peak_mib"] = peak_mib(fwd_bwd)
-                        ms = bench_ms(lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
-                                      args.warmup, args.rep)
-                        del o
+                        timed = (lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
                         flops = 2.5 * fl
-                rec["ms"], rec["tflops"] = ms, flops / ms * 1e-9
+                timed_calls.append((rec, timed, flops))
             except Exception as e:
                 rec["error"] = _short(e)
                 if isinstance(e, (AssertionError, NotImplementedError, ValueError, TypeError)):
@@ -301,7 +301,30 @@ def run_cell(providers: dict[str, Fwd], failed: dict[tuple, str], d: int, n: int
                       f"{rec['rel_l2_vs_sdpa']:.2e} (> {SANITY_REL_L2})", flush=True)
             recs.append(rec)
             torch.cuda.empty_cache()
+    time_rotated(timed_calls, args)
     return recs
+
+
+def time_rotated(timed_calls: list[tuple[dict[str, Any], Callable[[], Any], float]],
+                 args: argparse.Namespace) -> None:
+    """Times every checked call of one problem in ``args.rounds`` passes, each pass starting one
+    provider later, and records the median over the passes. The H200's clock drifts with power
+    and heat by several percent within seconds (the first kernel after a pause runs fastest), so
+    timing the providers one after the other would favour whichever comes first."""
+    times: list[list[float]] = [[] for _ in timed_calls]
+    n = len(timed_calls)
+    for r in range(args.rounds):
+        for i in [(r + j) % n for j in range(n)]:
+            rec, fn, _ = timed_calls[i]
+            try:
+                times[i].append(bench_ms(fn, args.warmup, args.rep))
+            except Exception as e:  # noqa: BLE001 - recorded, the others still run
+                rec["error"] = _short(e)
+    for (rec, _, flops), ts in zip(timed_calls, times, strict=True):
+        if ts and "error" not in rec:
+            ms = sorted(ts)[len(ts) // 2]
+            rec["ms"], rec["tflops"] = ms, flops / ms * 1e-9
+            rec["passes_tflops"] = [round(flops / t * 1e-9, 1) for t in ts]
 
 
 def markdown_table(results: list[dict[str, Any]], providers: list[str]) -> str:
@@ -409,6 +432,7 @@ def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool)
     except Exception as e:  # no reference: the table says so instead of a ΔL2
         ref, ref_err = None, _short(e)
     recs = []
+    timed_calls: list[tuple[dict[str, Any], Callable[[], Any], float]] = []
     for pingpong, overlap in ABLATION_SWITCHES:
         rec: dict[str, Any] = {"hdim": d, "seqlen": n, "batch": b, "heads": h, "causal": causal,
                                "pingpong": pingpong, "overlap": overlap,
@@ -428,15 +452,17 @@ def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool)
                 rec["rel_l2_vs_sdpa"] = rel_l2(out, ref)
             else:
                 rec["error"] = f"no SDPA-flash reference: {ref_err}"
-            rec["ms"] = bench_ms(call, args.warmup, args.rep)
-            rec["tflops"] = fwd_flops(b, h, n, d, causal) / rec["ms"] * 1e-9
+            timed_calls.append((rec, call, fwd_flops(b, h, n, d, causal)))
         except Exception as e:
             rec["error"] = _short(e)
             if args.verbose:
                 traceback.print_exc()
-        result = f"{rec['tflops']:.0f} TFLOP/s" if rec.get("tflops") else rec.get("error", "")
-        print(f"causal={int(causal)} pingpong={int(pingpong)} overlap={int(overlap)}: {result}", flush=True)
         recs.append(rec)
+    time_rotated(timed_calls, args)
+    for rec in recs:
+        result = f"{rec['tflops']:.0f} TFLOP/s" if rec.get("tflops") else rec.get("error", "")
+        print(f"causal={int(causal)} pingpong={int(rec['pingpong'])} overlap={int(rec['overlap'])}: {result}",
+              flush=True)
     return recs
 
 
@@ -482,7 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16384, help="B*N")
     p.add_argument("--hidden", type=int, default=2048, help="H*d")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=60, help="do_bench repetition time, ms")
+    p.add_argument("--rep", type=int, default=30, help="do_bench repetition time, ms")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timing passes per problem, rotated over the providers (median reported)")
     p.add_argument("--out", type=Path, default=None, help="write bench.json and bench.png here")
     p.add_argument("--verbose", action="store_true", help="tracebacks of provider errors")
     args = p.parse_args(argv)
@@ -506,9 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
 
-        timer = f"triton {triton.__version__} do_bench median (warmup {args.warmup} ms, rep {args.rep} ms)"
+        timer = (f"triton {triton.__version__} do_bench median (warmup {args.warmup} ms, rep {args.rep} ms), "
+                 f"median of {args.rounds} rotated passes")
     except ImportError:
-        timer = "CUDA events median (triton not importable)"
+        timer = f"CUDA events median (triton not importable), median of {args.rounds} rotated passes"
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "dtype": args.dtype,
             "tokens": args.tokens, "hidden": args.hidden, "timer": timer,

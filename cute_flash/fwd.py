@@ -157,8 +157,11 @@ def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, s
                varlen: bool, target: str | None = None, config_cls: type = FwdConfig) -> jit.KernelConfig:
     """The variant of ``config_cls`` (sm80 ``FwdConfig`` or sm90 ``FwdSm90Config``) for these inputs."""
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    # Families may pick more fields from the inputs (sm90: a persistent grid for short sequences).
+    launch_fields = getattr(config_cls, "launch_fields", None)
+    extra = launch_fields(q, v, causal=causal, local=local, varlen=varlen) if launch_fields else {}
     return config_cls(target=target, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
-                      local=local, softcap=softcap > 0.0, varlen=varlen)
+                      local=local, softcap=softcap > 0.0, varlen=varlen, **extra)
 
 
 def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,

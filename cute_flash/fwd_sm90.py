@@ -44,6 +44,14 @@ SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
 
 SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
+# Persistent grid (one CTA per SM looping over tiles) for unmasked dense inputs up to this many
+# keys: it hides each tile's prologue (Q, first K) behind the previous tile's epilogue, worth
+# +2-5% at N=2k (d=64/128; d=256 even) but -2% at 8k at d=128, where tiles are long and the
+# persistent loop's extra uniform-register work per block shows (H200, docs/notes.md). Causal
+# tiles differ in length and a static stride balances them badly (-15% at d=256, 8k): they keep
+# one CTA per tile, handed out longest first.
+SM90_PERSISTENT_MAX_SEQLEN = 2048
+
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
     """The tuned (tile_m, tile_n, stages, warpgroups, ping-pong, overlap) for a head dim."""
@@ -86,7 +94,7 @@ class FwdSm90Config(jit.KernelConfig):
     pack_gqa: int = 1
     # Seed each row's sum chain with row_sum * scale (flash-attn-4's order): in SASS the O rescale
     # then interleaves with the exponentials instead of trailing them. Off until measured.
-    seed_row_sum: bool = False
+    seed_row_sum: bool | None = None
     # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
     # before each HGMMA) and mbarrier waits that poll once before the suspending wait.
     uniform_desc: bool = True
@@ -115,6 +123,9 @@ class FwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "rescale_o_early", max(self.hdim, self.hdim_v) > 128)
         if self.l2_sections is None:
             object.__setattr__(self, "l2_sections", self.causal or self.local)
+        if self.seed_row_sum is None:
+            # Measured at d=128 (+1% non-causal, +3% causal at N=8k); neutral or worse at 64 / 256.
+            object.__setattr__(self, "seed_row_sum", self.hdim == self.hdim_v == 128)
         if self.num_mma_wg not in (2, 3):
             raise ValueError("sm90 forward: 2 or 3 consumer warpgroups")
         if self.tile_m != 64 * self.num_mma_wg:
@@ -131,6 +142,13 @@ class FwdSm90Config(jit.KernelConfig):
         kv = self.stages * self.tile_n * (self.hdim + self.hdim_v) * 2
         return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024
 
+    @staticmethod
+    def launch_fields(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, varlen: bool) -> dict:
+        """Fields chosen from the inputs at launch (``fwd.fwd_config``): the persistent grid."""
+        if causal or local or varlen or v.shape[1] > SM90_PERSISTENT_MAX_SEQLEN or q.device.type != "cuda":
+            return {}
+        return {"num_ctas": sm_count(q.device)}
+
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90
 
@@ -138,6 +156,16 @@ class FwdSm90Config(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         return fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
