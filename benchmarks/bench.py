@@ -444,7 +444,8 @@ def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool)
                 raise ValueError(f"FwdSm90Config made (pingpong, overlap) = ({pingpong}, {overlap}) into "
                                  f"({cfg.pingpong}, {cfg.intra_wg_overlap})")
             fn = jit.compile_kernel(cfg)
-            call = (lambda fn=fn: fn(q, k, v, out, lse, None, None, d ** -0.5, 0.0, left, right, n))
+            call = (lambda fn=fn, cfg=cfg: fn(q, k, v, out, lse, None, None, d ** -0.5, 0.0, left, right, n,
+                                              *cfg.launch_args(q.device)))
             out.fill_(float("nan"))  # a variant that skips rows must not inherit the previous output
             call()
             torch.cuda.synchronize()

@@ -191,5 +191,8 @@ def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     else:
         mq = q.shape[1]
+    # Families may take more runtime arguments after the shared ones (sm90: a tile counter).
+    launch_args = getattr(cfg, "launch_args", None)
+    extra = launch_args(q.device) if launch_args else ()
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
-       float(softcap) if softcap > 0 else 0.0, left, right, mq)
+       float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import torch
 
 from cute_flash import jit
@@ -102,6 +103,10 @@ class FwdSm90Config(jit.KernelConfig):
     # Persistent grid of ``num_ctas`` CTAs (the SM count) looping over the tiles; 0: one CTA per
     # tile. Dense inputs only (ignored for varlen).
     num_ctas: int = 0
+    # With ``num_ctas``: tiles after each CTA's first are claimed from an atomic counter (the
+    # ``tile_counter`` argument, zeroed before the launch) instead of a fixed stride, so CTAs
+    # whose tiles were short take more of them (causal).
+    dynamic_tiles: bool = False
     # O staged in its own smem buffer (where it fits) instead of Q's: derived, not set.
     separate_o: bool = False
 
@@ -155,10 +160,23 @@ class FwdSm90Config(jit.KernelConfig):
         return FlashFwdSm90(self)
 
     def fake_args(self) -> tuple:
-        return fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+        """The shared forward arguments plus ``tile_counter`` (int32, 1 element) before the stream."""
+        *args, stream = fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+        return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), stream)
+
+    def launch_args(self, device: torch.device) -> tuple:
+        """Runtime arguments after the shared ones: the tile counter, zeroed for this launch when
+        tiles are claimed dynamically (one int32 memset), else a placeholder never read."""
+        if self.dynamic_tiles and self.num_ctas > 0 and not self.varlen:
+            return (torch.zeros(1, dtype=torch.int32, device=device),)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _PLACEHOLDER:
+            _PLACEHOLDER[index] = torch.zeros(1, dtype=torch.int32, device=device)
+        return (_PLACEHOLDER[index],)
 
 
 _SM_COUNT: dict[int, int] = {}
+_PLACEHOLDER: dict[int, torch.Tensor] = {}
 
 
 def sm_count(device: torch.device) -> int:

@@ -212,7 +212,7 @@ def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool | int) -> None:
                                  intra_wg_overlap=overlap, pack_gqa=pack, **extra)
     fn = jit.compile_kernel(cfg)
     mq = max(lq) if varlen else Nq
-    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq)
+    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq, *cfg.launch_args(q.device))
     torch.cuda.synchronize()
     kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -264,8 +264,14 @@ def test_sm90_seeded_row_sum_matches_reference_on_hopper(case: tuple) -> None:
 # ping-pong turn and the Q/O buffer hand-back from tile to tile: separate and shared O buffers,
 # 2 and 3 consumer warpgroups, tiles with no key block (causal, Nq > Nk), windows, packed GQA.
 PERSISTENT_CASES = [
-    # (case as in GPU_CASES, pack, num_ctas)
+    # (case as in GPU_CASES, pack, num_ctas[, dynamic tile claims])
     ((2, 1000, 1000, 4, 2, 128, False, (-1, -1), 0.0, False, None, None), 1, 7),
+    ((2, 1000, 1000, 4, 2, 128, True, (-1, -1), 0.0, False, None, None), 1, 7, True),
+    ((2, 700, 300, 4, 4, 128, True, (-1, -1), 0.0, False, None, None), 1, 5, True),
+    ((2, 555, 600, 2, 2, 256, True, (-1, -1), 0.0, False, None, None), 1, 3, True),
+    ((2, 600, 640, 4, 2, 64, True, (-1, -1), 0.0, False, None, None), 1, 4, True),
+    ((2, 500, 700, 4, 4, 128, False, (64, 32), 0.0, False, None, None), 1, 6, True),
+    ((2, 33, 400, 8, 2, 64, True, (-1, -1), 0.0, False, None, None), 4, 2, True),
     ((2, 700, 300, 4, 4, 128, True, (-1, -1), 0.0, False, None, None), 1, 5),
     ((2, 555, 600, 2, 2, 256, True, (-1, -1), 0.0, False, None, None), 1, 3),
     ((2, 555, 600, 2, 2, 256, False, (-1, -1), 0.0, False, None, None), 1, 4),
@@ -280,6 +286,7 @@ PERSISTENT_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case,pack,num_ctas", PERSISTENT_CASES)
-def test_sm90_persistent_grid_matches_reference_on_hopper(case: tuple, pack: int, num_ctas: int) -> None:
-    _check_on_hopper(case, pack, num_ctas=num_ctas)
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+def test_sm90_persistent_grid_matches_reference_on_hopper(case: tuple) -> None:
+    problem, pack, num_ctas, *dynamic = case
+    _check_on_hopper(problem, pack, num_ctas=num_ctas, dynamic_tiles=bool(dynamic and dynamic[0]))

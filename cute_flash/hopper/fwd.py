@@ -39,7 +39,10 @@ from cute_flash.kernels.tile_scheduler import TileScheduler
 # Named barrier ids (0 is __syncthreads): the consumer warpgroups' epilogue barrier, then one
 # scheduling barrier per consumer warpgroup (ping-pong).
 BAR_EPILOGUE = 1
-BAR_SCHED = 2
+BAR_SCHED = 2  # 2, 3, 4
+# Dynamic persistent grid: the producer warp hands the next tile index to the consumers.
+BAR_TILE_FULL = 5
+BAR_TILE_EMPTY = 6
 
 
 def acc_to_frgA_sm90(acc: cute.Tensor) -> cute.Tensor:
@@ -101,6 +104,7 @@ class FlashFwdSm90:
         # O gets its own smem buffer where it fits, so the next tile's Q can load during the
         # epilogue; otherwise O is staged in Q's buffer.
         self.separate_o = cfg.separate_o
+        self.dynamic_tiles = cfg.dynamic_tiles
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -141,6 +145,7 @@ class FlashFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            next_tile: cute.struct.MemRange[cutlass.Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, max(sq, so)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
@@ -150,6 +155,7 @@ class FlashFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            next_tile: cute.struct.MemRange[cutlass.Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
@@ -164,7 +170,7 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, stream):
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
@@ -202,7 +208,7 @@ class FlashFwdSm90:
                                      l2_sections=self.cfg.l2_sections)
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
-                    tma_O, score_scale, scale_log2, window_left, window_right, sched.params(),
+                    tma_O, score_scale, scale_log2, window_left, window_right, sched.params(), mTileCounter,
                     Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
@@ -227,7 +233,7 @@ class FlashFwdSm90:
                tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
                tma_O: cute.CopyAtom | None, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
-               Storage: cutlass.Constexpr):
+               mTileCounter: cute.Tensor, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -260,7 +266,8 @@ class FlashFwdSm90:
         smem = common.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO)
         pipes = common.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
         geo = common.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
-                         window_right=window_right, sched_params=sched_params)
+                         window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
+                         next_tile=storage.next_tile.get_tensor(cute.make_layout(2)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -273,16 +280,50 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     # Work: the tiles of this CTA and their K/V block ranges (same code in both roles)
     # ------------------------------------------------------------------------------------------
-    def tile_range(self, sched_params):
-        """(first, end, step) of the linear tile indices this CTA visits. One tile per CTA unless
-        ``persistent``: then a grid of about one CTA per SM strides over every tile, so a CTA's
-        producer loads the next tile's K/V (and Q) while its consumers finish the current one, and
-        no CTA launch / barrier init / register reallocation sits between tiles."""
+    def first_tile(self, geo):
+        """(first tile index, number of tiles) of this CTA's walk. One tile per CTA unless
+        ``persistent``: then a grid of about one CTA per SM walks every tile, so a CTA's producer
+        loads the next tile's K/V (and Q) while its consumers finish the current one, and no CTA
+        launch / barrier init / register reallocation sits between tiles."""
         bx, _, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.persistent):
+            return bx, TileScheduler.num_tiles(geo.sched_params)
+        return bx, bx + 1
+
+    @cute.jit
+    def claim_next_tile(self, geo, tile_idx):
+        """Producer warp: the tile after ``tile_idx`` (>= the tile count when the walk is over).
+        Dynamic: claimed from the global counter (lane 0, one atomic), written to smem for the
+        consumers, who read it in ``receive_next_tile``; static: a stride of the grid size."""
+        if cutlass.const_expr(not self.persistent):
+            return tile_idx + 1
+        gx, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(not self.dynamic_tiles):
+            return tile_idx + gx
+        nxt = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            nxt = gx + cute.arch.atomic_add(geo.mTileCounter.iterator, Int32(1))
+        nxt = cute.arch.shuffle_sync(nxt, 0)
+        slot = geo.next_tile
+        # The slot is free once every consumer has read the previous value.
+        cute.arch.barrier(barrier_id=BAR_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads)
+        if cute.arch.lane_idx() == 0:
+            slot[0] = nxt
+        cute.arch.barrier_arrive(barrier_id=BAR_TILE_FULL, number_of_threads=32 + self.num_mma_threads)
+        return nxt
+
+    @cute.jit
+    def receive_next_tile(self, geo, tile_idx):
+        """Consumers: the tile after ``tile_idx`` (see ``claim_next_tile``)."""
+        if cutlass.const_expr(not self.persistent):
+            return tile_idx + 1
+        if cutlass.const_expr(not self.dynamic_tiles):
             gx, _, _ = cute.arch.grid_dim()
-            return bx, TileScheduler.num_tiles(sched_params), gx
-        return bx, bx + 1, 1
+            return tile_idx + gx
+        cute.arch.barrier(barrier_id=BAR_TILE_FULL, number_of_threads=32 + self.num_mma_threads)
+        nxt = geo.next_tile[0]
+        cute.arch.barrier_arrive(barrier_id=BAR_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads)
+        return nxt
 
     @cute.jit
     def tile_work(self, mQ, mK, geo, tile_idx):
@@ -307,14 +348,15 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        first, end, step = self.tile_range(geo.sched_params)
-        for tile_idx in cutlass.range(first, end, step, unroll=1):
+        tile_idx, num_tiles = self.first_tile(geo)
+        while tile_idx < num_tiles:
             m_block, head, batch, seqlen, _, has_rows, n_block_min, n_block_max = self.tile_work(
                 mQ, mK, geo, tile_idx)
             if has_rows:
                 q_state, k_state, v_state = self.load(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen,
                                                       m_block, head, batch, n_block_min, n_block_max,
                                                       q_state, k_state, v_state)
+            tile_idx = self.claim_next_tile(geo, tile_idx)
 
     @cute.jit
     def load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen: SeqlenInfo, m_block, head, batch,
@@ -398,14 +440,18 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_SCHED, number_of_threads=256)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        first, end, step = self.tile_range(geo.sched_params)
-        for tile_idx in cutlass.range(first, end, step, unroll=1):
+        if cutlass.const_expr(self.persistent and self.dynamic_tiles):
+            # The next-tile slot starts free.
+            cute.arch.barrier_arrive(barrier_id=BAR_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads)
+        tile_idx, num_tiles = self.first_tile(geo)
+        while tile_idx < num_tiles:
             m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max = self.tile_work(
                 mQ, mK, geo, tile_idx)
             if has_rows:
                 q_state, kv_state = self.consume(ctx, mO, mLSE, tma_O, smem, pipes.q, geo, seqlen, block_info,
                                                  m_block, head, batch, n_block_min, n_block_max, q_state,
                                                  kv_state)
+            tile_idx = self.receive_next_tile(geo, tile_idx)
         if cutlass.const_expr(self.separate_o):
             if tidx < 32:
                 # The last O store must be done reading smem before the CTA's smem goes away.
