@@ -45,13 +45,16 @@ SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
 
 SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
-# Persistent grid (one CTA per SM looping over tiles) for unmasked dense inputs up to this many
-# keys: it hides each tile's prologue (Q, first K) behind the previous tile's epilogue, worth
-# +2-5% at N=2k (d=64/128; d=256 even) but -2% at 8k at d=128, where tiles are long and the
-# persistent loop's extra uniform-register work per block shows (H200, docs/notes.md). Causal
-# tiles differ in length and a static stride balances them badly (-15% at d=256, 8k): they keep
-# one CTA per tile, handed out longest first.
-SM90_PERSISTENT_MAX_SEQLEN = 2048
+# Persistent grid (one CTA per SM looping over tiles; it hides each tile's prologue, Q and the
+# first K, behind the previous tile's epilogue). Measured on the H200 (docs/notes.md, medians of
+# rotated passes, vs one CTA per tile):
+# - causal, tiles claimed from an atomic counter (longest first): +9% at N=2k and +3% at 8k for
+#   d=128, +8% / +2% for d=64, +2% at 2k but -2% at 8k for d=256. A static stride instead
+#   balances the unequal causal tiles badly (-15% at d=256, 8k).
+# - unmasked, static stride: +1.5-2% at N=2k for d=64/128, even at 4k, -2% at 8k (d=128: the
+#   persistent loop's extra uniform-register work per block shows on long tiles), -1% at d=256.
+SM90_PERSISTENT_UNMASKED_MAX_SEQLEN = 2048  # d <= 128
+SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN = 4096  # causal, d > 128
 
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
@@ -149,10 +152,17 @@ class FwdSm90Config(jit.KernelConfig):
 
     @staticmethod
     def launch_fields(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, varlen: bool) -> dict:
-        """Fields chosen from the inputs at launch (``fwd.fwd_config``): the persistent grid."""
-        if causal or local or varlen or v.shape[1] > SM90_PERSISTENT_MAX_SEQLEN or q.device.type != "cuda":
+        """Fields chosen from the inputs at launch (``fwd.fwd_config``): the persistent grid where
+        it measured faster (see ``SM90_PERSISTENT_*``). Sliding windows (unmeasured) and varlen
+        keep one CTA per tile."""
+        if local or varlen or q.device.type != "cuda":
             return {}
-        return {"num_ctas": sm_count(q.device)}
+        d, n = max(q.shape[-1], v.shape[-1]), v.shape[1]
+        if causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
+            return {"num_ctas": sm_count(q.device), "dynamic_tiles": True}
+        if not causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
+            return {"num_ctas": sm_count(q.device)}
+        return {}
 
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90

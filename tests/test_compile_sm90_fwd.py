@@ -58,9 +58,20 @@ VARIANTS = [
     FwdSm90Config(target="sm_90a", dtype="fp16", hdim=64, hdim_v=64, local=True, pack_gqa=6),
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=256, hdim_v=256, causal=True, softcap=True, pack_gqa=8),
 ] + [
-    # The row-sum chain seeded with the rescale factor (flash-attn-4's order), off by default.
-    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, seed_row_sum=True),
+    # The row-sum chain seeded with the rescale factor (flash-attn-4's order; default at d=128).
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, seed_row_sum=False),
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, causal=True, seed_row_sum=True),
+] + [
+    # Persistent grids: static stride (unmasked) and atomic tile claims (causal), with O in its
+    # own smem buffer (d <= 128) and in Q's (d = 256), 2 and 3 consumer warpgroups.
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, num_ctas=132),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, num_ctas=132),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, num_ctas=132,
+                  dynamic_tiles=True),
+    FwdSm90Config(target="sm_90a", dtype="fp16", hdim=64, hdim_v=64, causal=True, num_ctas=132,
+                  dynamic_tiles=True),
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=256, hdim_v=256, causal=True, num_ctas=132,
+                  dynamic_tiles=True),
 ]
 
 
@@ -71,6 +82,8 @@ def _id(cfg: FwdSm90Config) -> str:
         flags.append(f"pack{cfg.pack_gqa}")
     if cfg.seed_row_sum:
         flags.append("seeded")
+    if cfg.num_ctas:
+        flags.append(f"persistent{cfg.num_ctas}" + ("dyn" if cfg.dynamic_tiles else ""))
     return f"{cfg.dtype}-d{cfg.hdim}-" + "-".join(flags)
 
 
@@ -91,6 +104,8 @@ def test_sm90_fwd_compiles(cfg: FwdSm90Config) -> None:
     assert _count(ptx, "ld.local") == 0 and _count(ptx, "st.local") == 0
     if cfg.pingpong:  # named barriers beyond the epilogue's: bar.sync / bar.arrive with an id register
         assert _count(ptx, "bar.arrive") > 0 and _count(ptx, "bar.sync") > 2
+    if cfg.dynamic_tiles:  # one atomic per claimed tile, handed over through named barriers 5 / 6
+        assert _count(ptx, "atom.") + _count(ptx, "red.") > 0 and _count(ptx, "bar.arrive") > 0
     if cfg.intra_wg_overlap:  # two commit groups in flight: QK^T(n) and PV(n+1)
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
     if ins.tools_dir() is None:
@@ -134,12 +149,12 @@ def test_invalid_configs_are_rejected() -> None:
         FwdSm90Config(target="sm_90a", pack_gqa=4, varlen=True)
 
 
-def test_same_call_signature_as_sm80() -> None:
+def test_call_signature_is_sm80_plus_a_tile_counter() -> None:
     from cute_flash.fwd import FwdConfig
 
     a = FwdSm90Config(target="sm_90a").fake_args()
     b = FwdConfig(target="sm_90a").fake_args()
-    assert len(a) == len(b) == 13
+    assert len(b) == 13 and len(a) == 14  # ... max_seqlen_q, [tile_counter,] stream
 
 
 # ---------------------------------------------------------------------------------------------
