@@ -179,14 +179,13 @@ class FwdSm90Config(jit.KernelConfig):
         tiles are claimed dynamically (one int32 memset), else a placeholder never read."""
         if self.dynamic_tiles and self.num_ctas > 0 and not self.varlen:
             return (torch.zeros(1, dtype=torch.int32, device=device),)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _PLACEHOLDER:
-            _PLACEHOLDER[index] = torch.zeros(1, dtype=torch.int32, device=device)
-        return (_PLACEHOLDER[index],)
+        if device not in _PLACEHOLDER:
+            _PLACEHOLDER[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return (_PLACEHOLDER[device],)
 
 
 _SM_COUNT: dict[int, int] = {}
-_PLACEHOLDER: dict[int, torch.Tensor] = {}
+_PLACEHOLDER: dict[torch.device, torch.Tensor] = {}
 
 
 def sm_count(device: torch.device) -> int:

@@ -109,3 +109,23 @@ def test_flash_attn_func_reaches_run_fwd_through_the_cuda_op(gpu, monkeypatch):
     cu = torch.tensor([0, 33], dtype=torch.int32)
     cute_flash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33)
     assert len(seen) == 3 and [type(c) for c in compiled] == [FwdSm90Config] * 3
+
+
+def test_sm90_persistent_grid_is_chosen_where_it_measured_faster(monkeypatch):
+    """Causal: atomic tile claims (d <= 128 at any N, wider heads up to 4k keys); unmasked: a static
+    stride for d <= 128 up to 2k keys; sliding windows, varlen and everything else: one CTA per tile."""
+    from types import SimpleNamespace
+
+    from cute_flash import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "sm_count", lambda device: 132)
+
+    def fields(n: int, d: int, causal: bool = False, local: bool = False, varlen: bool = False) -> dict:
+        t = SimpleNamespace(shape=(2, n, 4, d), device=torch.device("cuda", 0))
+        return FwdSm90Config.launch_fields(t, t, causal=causal, local=local, varlen=varlen)
+
+    dynamic = {"num_ctas": 132, "dynamic_tiles": True}
+    assert fields(16384, 128, causal=True) == dynamic and fields(1024, 64, causal=True) == dynamic
+    assert fields(4096, 256, causal=True) == dynamic and fields(8192, 256, causal=True) == {}
+    assert fields(2048, 128) == {"num_ctas": 132} and fields(4096, 128) == {} and fields(2048, 256) == {}
+    assert fields(1024, 128, local=True) == {} and fields(1024, 128, causal=True, varlen=True) == {}
