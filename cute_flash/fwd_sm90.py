@@ -100,9 +100,9 @@ class FwdSm90Config(jit.KernelConfig):
     # then interleaves with the exponentials instead of trailing them. Off until measured.
     seed_row_sum: bool | None = None
     # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
-    # before each HGMMA) and mbarrier waits that poll once before the suspending wait.
+    # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py).
     uniform_desc: bool = True
-    try_wait_first: bool = True
+    spin_waits: bool = True
     # Persistent grid of ``num_ctas`` CTAs (the SM count) looping over the tiles; 0: one CTA per
     # tile. Dense inputs only (ignored for varlen).
     num_ctas: int = 0

@@ -381,7 +381,7 @@ class FlashFwdSm90:
             k_state.advance()
         # Q always (even with no K/V block to visit: the consumers wait for it, and it may share
         # its buffer with O). Rows past the sequence end are zero-filled by the TMA unit.
-        pipes.q.producer_acquire(q_state)
+        self.acquire_empty(pipes.q, q_state)
         cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
         q_state.advance()
         # V runs one block behind K (K(n-1) is issued before V(n)): the consumers need K(n-1) for
@@ -401,7 +401,7 @@ class FlashFwdSm90:
     @cute.jit
     def load_kv(self, tma, tXgX, tXsX, pipe, state, n_block: Int32):
         """One K or V block into its pipeline stage (waits for the stage to be released)."""
-        pipe.producer_acquire(state)
+        self.acquire_empty(pipe, state)
         cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                   tma_bar_ptr=pipe.producer_get_barrier(state))
 
@@ -486,15 +486,33 @@ class FlashFwdSm90:
         q_state.advance()
         return q_state, kv_state
 
+    # mbarrier waits. The DSL's plain wait is a try_wait loop with a 10 ms suspend-time hint,
+    # which ptxas emits as TRYWAIT + NANOSLEEP.SYNCS: a warp that finds the stage not ready is put
+    # to sleep, and it wakes up late. On the persistent grid that cost ~20 us per tile (the
+    # producer sleeping on Q's empty barrier through a whole tile; the consumers on Q's full
+    # one): N=512-1k ran at half the speed of one CTA per tile. ``spin_waits`` polls try_wait
+    # without the hint instead (a bounded hardware wait per poll, as CUTLASS C++'s barrier wait).
+    @cute.jit
+    def spin(self, mbar_ptr, phase):
+        ready = cute.arch.mbarrier_try_wait(mbar_ptr, phase)
+        while not ready:
+            ready = cute.arch.mbarrier_try_wait(mbar_ptr, phase)
+        return ready
+
     def wait_full(self, pipe, state) -> None:
-        """Consumer wait for a filled stage. The plain wait is a suspending try_wait loop, which
-        ptxas emits as TRYWAIT + NANOSLEEP.SYNCS: a stage that is not ready at the first poll
-        puts the warp to sleep. Polling once without the suspend hint first keeps the common
-        ready case a single TRYWAIT and a not-ready one a spin, as CUTLASS's FA3 does."""
-        if cutlass.const_expr(self.cfg.try_wait_first):
-            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        """Consumer wait for a filled stage."""
+        if cutlass.const_expr(self.cfg.spin_waits):
+            pipe.consumer_wait(state, self.spin(pipe.sync_object_full.get_barrier(state.index), state.phase))
         else:
             pipe.consumer_wait(state)
+
+    def acquire_empty(self, pipe, state) -> None:
+        """Producer wait for a free stage (then the expected-transaction arrive for its TMA)."""
+        if cutlass.const_expr(self.cfg.spin_waits):
+            ready = self.spin(pipe.sync_object_empty.get_barrier(state.index), state.phase)
+            pipe.producer_acquire(state, ready)
+        else:
+            pipe.producer_acquire(state)
 
     # Ping-pong scheduling (``pingpong``): the consumer warpgroups take turns issuing their GEMMs,
     # so one warpgroup's softmax overlaps the other's MMAs. Warpgroup w waits on barrier
