@@ -53,8 +53,11 @@ SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (2
 #   balances the unequal causal tiles badly (-15% at d=256, 8k).
 # - unmasked, static stride: +1.5-2% at N=2k for d=64/128, even at 4k, -2% at 8k (d=128: the
 #   persistent loop's extra uniform-register work per block shows on long tiles), -1% at d=256.
+# - causal d=64 (3 consumer warpgroups, ping-pong): the persistent grid lost at N <= 1k in both
+#   wait modes (119-230 vs 169-254 TFLOP/s with one CTA per tile), so it starts at 2k there.
 SM90_PERSISTENT_UNMASKED_MAX_SEQLEN = 2048  # d <= 128
 SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN = 4096  # causal, d > 128
+SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN = 2048  # causal, d <= 64
 
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
@@ -100,9 +103,10 @@ class FwdSm90Config(jit.KernelConfig):
     # then interleaves with the exponentials instead of trailing them. Off until measured.
     seed_row_sum: bool | None = None
     # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
-    # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py).
+    # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py;
+    # default everywhere but the masked 3-warpgroup d=64 tile, where spinning measured slower).
     uniform_desc: bool = True
-    spin_waits: bool = True
+    spin_waits: bool | None = None
     # Persistent grid of ``num_ctas`` CTAs (the SM count) looping over the tiles; 0: one CTA per
     # tile. Dense inputs only (ignored for varlen).
     num_ctas: int = 0
@@ -131,6 +135,8 @@ class FwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "rescale_o_early", max(self.hdim, self.hdim_v) > 128)
         if self.l2_sections is None:
             object.__setattr__(self, "l2_sections", self.causal or self.local)
+        if self.spin_waits is None:
+            object.__setattr__(self, "spin_waits", not ((self.causal or self.local) and self.num_mma_wg == 3))
         if self.seed_row_sum is None:
             # Measured at d=128 (+1% non-causal, +3% causal at N=8k); neutral or worse at 64 / 256.
             object.__setattr__(self, "seed_row_sum", self.hdim == self.hdim_v == 128)
@@ -158,6 +164,8 @@ class FwdSm90Config(jit.KernelConfig):
         if local or varlen or q.device.type != "cuda":
             return {}
         d, n = max(q.shape[-1], v.shape[-1]), v.shape[1]
+        if causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN:
+            return {}
         if causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
             return {"num_ctas": sm_count(q.device), "dynamic_tiles": True}
         if not causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:

@@ -112,7 +112,8 @@ def test_flash_attn_func_reaches_run_fwd_through_the_cuda_op(gpu, monkeypatch):
 
 
 def test_sm90_persistent_grid_is_chosen_where_it_measured_faster(monkeypatch):
-    """Causal: atomic tile claims (d <= 128 at any N, wider heads up to 4k keys); unmasked: a static
+    """Causal: atomic tile claims (d = 128 at any N, d = 64 from 2k keys, wider heads up to 4k keys);
+    unmasked: a static
     stride for d <= 128 up to 2k keys; sliding windows, varlen and everything else: one CTA per tile."""
     from types import SimpleNamespace
 
@@ -125,7 +126,8 @@ def test_sm90_persistent_grid_is_chosen_where_it_measured_faster(monkeypatch):
         return FwdSm90Config.launch_fields(t, t, causal=causal, local=local, varlen=varlen)
 
     dynamic = {"num_ctas": 132, "dynamic_tiles": True}
-    assert fields(16384, 128, causal=True) == dynamic and fields(1024, 64, causal=True) == dynamic
+    assert fields(16384, 128, causal=True) == dynamic and fields(1024, 128, causal=True) == dynamic
+    assert fields(2048, 64, causal=True) == dynamic and fields(1024, 64, causal=True) == {}
     assert fields(4096, 256, causal=True) == dynamic and fields(8192, 256, causal=True) == {}
     assert fields(2048, 128) == {"num_ctas": 132} and fields(4096, 128) == {} and fields(2048, 256) == {}
     assert fields(1024, 128, local=True) == {} and fields(1024, 128, causal=True, varlen=True) == {}

@@ -491,7 +491,10 @@ class FlashFwdSm90:
     # to sleep, and it wakes up late. On the persistent grid that cost ~20 us per tile (the
     # producer sleeping on Q's empty barrier through a whole tile; the consumers on Q's full
     # one): N=512-1k ran at half the speed of one CTA per tile. ``spin_waits`` polls try_wait
-    # without the hint instead (a bounded hardware wait per poll, as CUTLASS C++'s barrier wait).
+    # without the hint instead (a bounded hardware wait per poll, as CUTLASS C++'s barrier wait);
+    # otherwise the consumers poll once without the hint before the DSL's wait (flash-attn-4's
+    # order) and the producer takes the DSL's wait, which measured better for the 3-warpgroup
+    # causal d=64 tile (docs/notes.md).
     @cute.jit
     def spin(self, mbar_ptr, phase):
         ready = cute.arch.mbarrier_try_wait(mbar_ptr, phase)
@@ -504,7 +507,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.cfg.spin_waits):
             pipe.consumer_wait(state, self.spin(pipe.sync_object_full.get_barrier(state.index), state.phase))
         else:
-            pipe.consumer_wait(state)
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
 
     def acquire_empty(self, pipe, state) -> None:
         """Producer wait for a free stage (then the expected-transaction arrive for its TMA)."""
