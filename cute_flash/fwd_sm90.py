@@ -158,19 +158,27 @@ class FwdSm90Config(jit.KernelConfig):
 
     @staticmethod
     def launch_fields(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, varlen: bool) -> dict:
-        """Fields chosen from the inputs at launch (``fwd.fwd_config``): the persistent grid where
-        it measured faster (see ``SM90_PERSISTENT_*``). Sliding windows (unmeasured) and varlen
-        keep one CTA per tile."""
-        if local or varlen or q.device.type != "cuda":
+        """Fields chosen from the inputs at launch (``fwd.fwd_config``): packed GQA for short query
+        sequences, and the persistent grid where it measured faster (see ``SM90_PERSISTENT_*``).
+        Sliding windows (unmeasured) and varlen keep one CTA per tile."""
+        if varlen or q.device.type != "cuda":
             return {}
         d, n = max(q.shape[-1], v.shape[-1]), v.shape[1]
-        if causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN:
-            return {}
+        fields: dict = {}
+        pack = q.shape[2] // v.shape[2]
+        tile_m = sm90_tile(d, causal or local)[0]
+        if pack > 1 and tile_m % pack == 0 and q.shape[1] * pack <= tile_m:
+            # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so
+            # each K/V block is read once per KV head instead of once per query head, and the
+            # tile is not mostly empty rows.
+            fields["pack_gqa"] = pack
+        if local or (causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN):
+            return fields
         if causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
-            return {"num_ctas": sm_count(q.device), "dynamic_tiles": True}
-        if not causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
-            return {"num_ctas": sm_count(q.device)}
-        return {}
+            fields.update(num_ctas=sm_count(q.device), dynamic_tiles=True)
+        elif not causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
+            fields.update(num_ctas=sm_count(q.device))
+        return fields
 
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90

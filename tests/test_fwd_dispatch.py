@@ -131,3 +131,25 @@ def test_sm90_persistent_grid_is_chosen_where_it_measured_faster(monkeypatch):
     assert fields(4096, 256, causal=True) == dynamic and fields(8192, 256, causal=True) == {}
     assert fields(2048, 128) == {"num_ctas": 132} and fields(4096, 128) == {} and fields(2048, 256) == {}
     assert fields(1024, 128, local=True) == {} and fields(1024, 128, causal=True, varlen=True) == {}
+
+
+def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile(monkeypatch):
+    """H / H_kv query heads share the M tile when all their queries fit in it (decode, short
+    prefill) and the group size divides the tile; otherwise one head per tile."""
+    from types import SimpleNamespace
+
+    from cute_flash import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "sm_count", lambda device: 132)
+
+    def pack(nq: int, h: int, hkv: int, d: int = 128, causal: bool = False, local: bool = False) -> int:
+        dev = torch.device("cuda", 0)
+        q = SimpleNamespace(shape=(2, nq, h, d), device=dev)
+        v = SimpleNamespace(shape=(2, 4096, hkv, d), device=dev)
+        return FwdSm90Config.launch_fields(q, v, causal=causal, local=local, varlen=False).get("pack_gqa", 1)
+
+    assert pack(1, 32, 4) == 8 and pack(16, 32, 4, causal=True) == 8 and pack(5, 16, 2, local=True) == 8
+    assert pack(17, 32, 4) == 1  # 17 * 8 rows > one 128-row tile
+    assert pack(1, 12, 4) == 1  # 3 heads do not divide 128 rows ...
+    assert pack(1, 12, 4, d=64) == 3  # ... but divide the 192-row d=64 tile
+    assert pack(1, 8, 8) == 1  # no GQA
