@@ -1,6 +1,8 @@
 """FlashAttention-3 style forward for Hopper (sm90a), the forward of every public entry point there.
 
-One CTA owns ``tile_m`` query rows of one (batch, head); its threads are 1 + ``num_mma_wg``
+A tile is ``tile_m`` query rows of one (batch, head) (of a KV head's whole query group with packed
+GQA). A CTA computes one tile, or on the persistent grid (``num_ctas``) loops over tiles, taking a
+static stride or claiming them from an atomic counter; its threads are 1 + ``num_mma_wg``
 warpgroups. Warpgroup 0 is the producer: it gives registers back (``setmaxnreg.dec``) and one of
 its warps issues TMA bulk-tensor loads, Q once and K, V block by block into two ``stages``-deep
 mbarrier pipelines (``PipelineTmaAsync``: the TMA's transaction count completes the full
@@ -14,8 +16,9 @@ while the interior runs unmasked. TMA zero-fills rows past the tensor end (no pr
 loads; V runs one block behind K). Consumer warpgroups take turns at the tensor cores (ping-pong,
 named barriers) and/or issue the next Q K^T before the softmax (intra-warpgroup overlap), per the
 tuned table in ``fwd_sm90.py``. Causal tiles are handed out longest first
-(``kernels/tile_scheduler.py``). The epilogue goes registers -> smem (Q's buffer, stmatrix) -> a
-TMA store (predicated 16-byte stores for packed varlen outputs).
+(``kernels/tile_scheduler.py``). The epilogue goes registers -> smem (O's own buffer where it
+fits, else Q's; stmatrix) -> a TMA store (predicated 16-byte stores for packed varlen outputs).
+mbarrier waits spin on try_wait (see ``spin``): the DSL's default wait sleeps.
 """
 
 import cutlass
