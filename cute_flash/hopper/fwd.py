@@ -330,7 +330,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def tile_work(self, mQ, mK, geo, tile_idx):
-        """Geometry of one tile: (m_block, head, batch, seqlen, has_rows, n_block_min, n_block_max)."""
+        """One tile: (m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max)."""
         m_block, head, batch = TileScheduler.tile(geo.sched_params, tile_idx, self.is_causal or self.is_local,
                                                   self.varlen)
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
