@@ -167,7 +167,9 @@ class FwdSm90Config(jit.KernelConfig):
         fields: dict = {}
         pack = q.shape[2] // v.shape[2]
         tile_m = sm90_tile(d, causal or local)[0]
-        if pack > 1 and tile_m % pack == 0 and q.shape[1] * pack <= tile_m:
+        # Only for Q in the dense (B, N, H, d) order the packed TMA boxes were checked with on the
+        # GPU (other layouts, e.g. SDPA-style transposed views, keep one head per tile).
+        if pack > 1 and tile_m % pack == 0 and q.shape[1] * pack <= tile_m and _dense_bnhd(q):
             # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so
             # each K/V block is read once per KV head instead of once per query head, and the
             # tile is not mostly empty rows.
@@ -198,6 +200,11 @@ class FwdSm90Config(jit.KernelConfig):
         if device not in _PLACEHOLDER:
             _PLACEHOLDER[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return (_PLACEHOLDER[device],)
+
+
+def _dense_bnhd(t: torch.Tensor) -> bool:
+    _, n, h, d = t.shape
+    return tuple(t.stride()) == (n * h * d, h * d, d, 1)
 
 
 _SM_COUNT: dict[int, int] = {}

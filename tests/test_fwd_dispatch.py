@@ -144,7 +144,7 @@ def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile(monkeypatch):
 
     def pack(nq: int, h: int, hkv: int, d: int = 128, causal: bool = False, local: bool = False) -> int:
         dev = torch.device("cuda", 0)
-        q = SimpleNamespace(shape=(2, nq, h, d), device=dev)
+        q = SimpleNamespace(shape=(2, nq, h, d), device=dev, stride=lambda: (nq * h * d, h * d, d, 1))
         v = SimpleNamespace(shape=(2, 4096, hkv, d), device=dev)
         return FwdSm90Config.launch_fields(q, v, causal=causal, local=local, varlen=False).get("pack_gqa", 1)
 
@@ -153,3 +153,8 @@ def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile(monkeypatch):
     assert pack(1, 12, 4) == 1  # 3 heads do not divide 128 rows ...
     assert pack(1, 12, 4, d=64) == 3  # ... but divide the 192-row d=64 tile
     assert pack(1, 8, 8) == 1  # no GQA
+    # Q as a transposed (B, H, N, d) view (the SDPA-style entry): not packed.
+    dev = torch.device("cuda", 0)
+    q_t = SimpleNamespace(shape=(2, 4, 32, 128), device=dev, stride=lambda: (16384, 128, 512, 1))
+    v = SimpleNamespace(shape=(2, 4096, 4, 128), device=dev)
+    assert "pack_gqa" not in FwdSm90Config.launch_fields(q_t, v, causal=False, local=False, varlen=False)
