@@ -1,0 +1,110 @@
+"""Hopper (sm90a) backward: variant configs and a torch-side launcher for the FA3-style main kernel
+in ``cute_flash.hopper.bwd``. WORK IN PROGRESS (issue 4): compile-checked on the CPU, not yet run
+on a GPU, and not dispatched -- autograd runs the sm80 backward on every GPU.
+
+The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch
+rows); the main kernel adds dQ row-major into the accumulator and ``FlashBwdPostSm90`` converts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import torch
+
+from cute_flash import jit
+from cute_flash.bwd import BwdPreConfig
+
+# v1 scope of the main kernel (see its docstring): head dim 128 = value head dim, dense, no window,
+# softcap or GQA.
+SM90_BWD_HDIMS = (128,)
+
+
+@dataclass(frozen=True)
+class BwdSm90Config(jit.KernelConfig):
+    """``tile_n`` keys per CTA (64 per consumer warpgroup), query blocks of ``tile_m`` rows in a
+    ``stages``-deep Q/dO pipeline."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    causal: bool = False
+    tile_m: int = 64
+    tile_n: int = 128
+    stages: int = 2
+
+    kernel_name = "bwd_sm90"
+
+    def __post_init__(self) -> None:
+        if self.hdim not in SM90_BWD_HDIMS:
+            raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
+        if self.tile_n != 128 or self.tile_m % 64 != 0 or self.stages < 1:
+            raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple of 64")
+
+    def build(self):
+        from cute_flash.hopper.bwd import FlashBwdSm90
+
+        return FlashBwdSm90(self)
+
+    def pre(self) -> BwdPreConfig:
+        return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim,
+                            tile_m=self.tile_m)
+
+    def post(self) -> BwdSm90PostConfig:
+        return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m)
+
+    def fake_args(self) -> tuple:
+        """(q, k, v, do, lse2, d, dq_accum, dk, dv, softmax_scale, stream)."""
+        dt = jit.DTYPES[self.dtype]
+        div = jit.vec_div(dt)
+        b, nq, nk, h = jit.sym(), jit.sym(), jit.sym(), jit.sym()
+        q, do = (jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div) for _ in range(2))
+        k, v, dk, dv = (jit.fake_tensor(dt, (b, nk, h, self.hdim), divisibility=div) for _ in range(4))
+        npad, npad_d = jit.sym(), jit.sym()
+        lse2, d = (jit.fake_tensor(cutlass.Float32, (b, h, npad), divisibility=4) for _ in range(2))
+        dq_acc = jit.fake_tensor(cutlass.Float32, (b, h, npad_d), divisibility=4)
+        return (q, k, v, do, lse2, d, dq_acc, dk, dv, cutlass.Float32(1.0), jit.fake_stream())
+
+
+@dataclass(frozen=True)
+class BwdSm90PostConfig(jit.KernelConfig):
+    """dQ = softmax_scale * dQaccum from the sm90 main kernel's row-major accumulator chunks."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    tile_m: int = 64
+
+    kernel_name = "bwd_post_sm90"
+
+    def build(self):
+        from cute_flash.hopper.bwd import FlashBwdPostSm90
+
+        return FlashBwdPostSm90(self)
+
+    def fake_args(self) -> tuple:
+        dt = jit.DTYPES[self.dtype]
+        b, nq, h, npad_d = jit.sym(), jit.sym(), jit.sym(), jit.sym()
+        dq_acc = jit.fake_tensor(cutlass.Float32, (b, h, npad_d), divisibility=4)
+        dq = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=jit.vec_div(dt))
+        return (dq_acc, dq, cutlass.Float32(1.0), jit.fake_stream())
+
+
+def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+                 softmax_scale: float, causal: bool) -> None:
+    """Launch the sm90 backward (pre, main, post) on dense (B, N, H, d) CUDA tensors with H = H_kv;
+    writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet (tests call it directly)."""
+    if k.shape[2] != q.shape[2] or v.shape[-1] != q.shape[-1]:
+        raise ValueError("sm90 backward (work in progress): no GQA and d_v = d_qk only")
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
+    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal)
+    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
+    b, nq, h, d = q.shape
+    npad = (nq + cfg.tile_m - 1) // cfg.tile_m * cfg.tile_m
+    lse2 = torch.empty(b, h, npad, dtype=torch.float32, device=q.device)
+    dsum = torch.empty_like(lse2)
+    dq_acc = torch.empty(b, h, npad * d, dtype=torch.float32, device=q.device)
+    scale = float(softmax_scale)
+    pre(out, dout, lse, lse2, dsum, dq_acc, None, None, nq)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, scale)
+    post(dq_acc, dq, scale)

@@ -1,0 +1,380 @@
+"""FlashAttention-3 style backward main kernel for Hopper (sm90a). WORK IN PROGRESS: compile-checked
+on the CPU only, not yet run on a GPU, and not dispatched (autograd runs the sm80 backward).
+
+One CTA owns ``tile_n`` keys of one (batch, head) and walks the query blocks that see them
+(``tile_m`` rows each). Warpgroup 0 produces: one warp TMA-loads K and V once, then Q and dO of
+each query block into a ``stages``-deep pipeline (one mbarrier per stage for both). The two
+consumer warpgroups own 64 keys each and run, per query block, the five GEMMs of the backward with
+the key axis on wgmma's M (the "swapped" S^T form, so dK and dV accumulate in registers and P^T,
+dS^T feed their GEMMs straight from registers):
+
+    S^T  = K Q^T           (SS)     P^T  = exp2(S^T * scale*log2e - LSE2)
+    dP^T = V dO^T          (SS)     dS^T = P^T * (dP^T - D)
+    dV  += P^T dO          (RS)     dK  += dS^T Q            (RS)
+    dQ   = dS K            (SS, dS through smem: its key axis is split over the warpgroups)
+
+dQ of a query block is added into the fp32 accumulator (row-major chunk per query block, same
+padded scratch as the sm80 backward) with fire-and-forget ``red.global.add``; the sm80
+preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
+it. dK (scaled) and dV are stored at the end. Causal (bottom-right) masks only the query blocks on
+the diagonal. v1 scope: head dim 128 (= value head dim), no GQA, varlen, window or softcap.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cute_flash.ampere import common
+from cute_flash.hopper.fwd import acc_to_frgA_sm90, wg_gemm
+from cute_flash.kernels import bwd_math
+from cute_flash.kernels.convert import convert_pairs
+from cute_flash.kernels.layout import acc_to_mn, transpose_smem
+from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.kernels.softmax import LOG2_E
+
+# Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
+# by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
+# wait for the previous block's dQ GEMMs (EMPTY) and its dQ GEMMs for both halves (FULL).
+BAR_DS_EMPTY = 1
+BAR_DS_FULL = 2
+
+
+class FlashBwdSm90:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim = cfg.hdim
+        self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
+        self.is_causal = cfg.causal
+        self.num_mma_threads = 256
+        self.num_threads = 384
+        elem = self.dtype.width // 8
+        self.tx_kv = 2 * self.tile_n * self.hdim * elem
+        self.tx_qdo = 2 * self.tile_m * self.hdim * elem
+
+    # ------------------------------------------------------------------------------------------
+    # Layouts and MMAs
+    # ------------------------------------------------------------------------------------------
+    def _smem(self, rows: int, cols: int, stages: int | None):
+        """K-major wgmma-canonical swizzled tile (read K-major, or MN-major through a transposed
+        view, by the different GEMMs)."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _setup(self) -> None:
+        d, tm, tn = self.hdim, self.tile_m, self.tile_n
+        self.sQ_layout = self._smem(tm, d, self.num_stages)
+        self.sdO_layout = self._smem(tm, d, self.num_stages)
+        self.sK_layout = self._smem(tn, d, None)
+        self.sV_layout = self._smem(tn, d, None)
+        self.sdS_layout = self._smem(tm, tn, None)
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T, dP^T: M = keys (64 per consumer warpgroup), N = the query block, K = head dim.
+        self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tm))
+        # dV, dK: M = keys, N = head dim, K = the query block; A (P^T, dS^T) from registers.
+        self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d),
+            a_source=warpgroup.OperandSource.RMEM)
+        # dQ: M = the query block, N = head dim split over the two warpgroups, K = keys.
+        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
+
+    def _storage(self):
+        stages = self.num_stages
+
+        @cute.struct
+        class Storage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024]
+
+        return Storage
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, softmax_scale: Float32, stream):
+        self._setup()
+        Storage = self._storage()
+        mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]),
+                                                    (self.tile_m, self.hdim))
+        tma_dO, mdO_tma = cpasync.make_tiled_tma_atom(g2s, mdO, cute.select(self.sdO_layout, mode=[0, 1]),
+                                                      (self.tile_m, self.hdim))
+        tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
+        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim))
+        grid = (cute.ceil_div(mK.shape[0], self.tile_n), mK.shape[2], mK.shape[3])
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, tma_Q, tma_K, tma_V,
+                    tma_dO, softmax_scale, softmax_scale * Float32(LOG2_E), Storage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+               tma_dO: cute.CopyAtom, softmax_scale: Float32, scale_log2: Float32,
+               Storage: cutlass.Constexpr):
+        self._setup()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_dO):
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(Storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_kv, defer_sync=True)
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_qdo, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        smem = common.Ctx(
+            sQ=storage.sQ.get_tensor(self.sQ_layout.outer, swizzle=self.sQ_layout.inner),
+            sdO=storage.sdO.get_tensor(self.sdO_layout.outer, swizzle=self.sdO_layout.inner),
+            sK=storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner),
+            sV=storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner),
+            sdS=storage.sdS.get_tensor(self.sdS_layout.outer, swizzle=self.sdS_layout.inner))
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0])
+        m_block_min, m_block_max = self.m_block_range(seqlen, n_block)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(24)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block, head,
+                          batch, m_block_min, m_block_max)
+        else:
+            cute.arch.setmaxregister_increase(240)
+            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, n_block, head, batch,
+                          m_block_min, m_block_max, softmax_scale, scale_log2)
+
+    @cute.jit
+    def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
+        """Query blocks that see at least one key of K/V block ``n_block`` (bottom-right causal:
+        row i sees key j iff j <= i + Nk - Nq)."""
+        m_block_max = cute.ceil_div(seqlen.seqlen_q, self.tile_m)
+        m_block_min = Int32(0)
+        if cutlass.const_expr(self.is_causal):
+            first_row = n_block * self.tile_n - (seqlen.seqlen_k - seqlen.seqlen_q)
+            m_block_min = cutlass.min(cutlass.max(first_row, 0) // self.tile_m, m_block_max)
+        return m_block_min, m_block_max
+
+    # ------------------------------------------------------------------------------------------
+    # Producer warp
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block, head,
+             batch, m_block_min, m_block_max):
+        one = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, head, batch], (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head, batch], (self.tile_n, self.hdim), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            pipe_qdo.producer_acquire(state)
+            bar = pipe_qdo.producer_get_barrier(state)
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            state.advance()
+
+    # ------------------------------------------------------------------------------------------
+    # Consumer warpgroups
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen: SeqlenInfo, n_block,
+                 head, batch, m_block_min, m_block_max, softmax_scale, scale_log2):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_sdp = self.mma_sdp.get_slice(tidx)
+        thr_dkv = self.mma_dkv.get_slice(tidx)
+        thr_dq = self.mma_dq.get_slice(tidx)
+        # Operand descriptors from warp-uniform slices (uniform registers, see the forward).
+        wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg * 128) for m in (self.mma_sdp, self.mma_dkv, self.mma_dq))
+        sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
+        ctx = common.Ctx(
+            tidx=tidx, thr_sdp=thr_sdp, thr_dq=thr_dq,
+            tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK)),
+            tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ)),
+            tdPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV)),
+            tdPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO)),
+            tdVrdOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt)),
+            tdKrQt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt)),
+            tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
+            tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
+            # dS^T written into smem through the S^T accumulator's (key, query) coordinates.
+            tSsdSt=thr_sdp.partition_C(transpose_smem(smem.sdS)),
+            acc_dK=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
+            acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
+            # (key, query) of each S^T element of this thread, within the tile.
+            tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
+            seqlen=seqlen, n_block=n_block, scale_log2=scale_log2,
+            gLSE2=bwd_math.scratch_rows(mLSE2, seqlen, head, batch, self.tile_m),
+            gD=bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
+            mdQaccum=mdQaccum, head=head, batch=batch)
+        ctx.acc_dK.fill(0.0)
+        ctx.acc_dV.fill(0.0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            self.one_m_block(ctx, pipe_qdo, state, m_block)
+            state.advance()
+        self.epilogue(ctx, mdK, mdV, softmax_scale)
+
+    @cute.jit
+    def one_m_block(self, ctx, pipe_qdo, state, m_block: Int32):
+        acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+        s = state.index
+        wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
+        wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
+        self.probs(ctx, acc_S, m_block)
+        warpgroup.wait_group(0)
+        self.dscores(ctx, acc_S, acc_dP, m_block)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        convert_pairs(acc_S, rP)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        convert_pairs(acc_dP, rdS)
+        # dV += P^T dO and dK += dS^T Q, A straight from registers.
+        wg_gemm(self.mma_dkv, ctx.acc_dV, acc_to_frgA_sm90(rP), ctx.tdVrdOt[None, None, None, s],
+                zero_init=False, wg_wait=-1)
+        wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
+                zero_init=False, wg_wait=-1)
+        # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups.
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        for i in cutlass.range_constexpr(cute.size(rdS)):
+            ctx.tSsdSt[i] = rdS[i]
+        cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
+        cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
+        # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
+        # pass the next block's EMPTY barrier).
+        pipe_qdo.consumer_release(state)
+        self.store_dq(ctx, acc_dQ, m_block)
+
+    @cute.jit
+    def probs(self, ctx, acc_S, m_block: Int32):
+        """P^T = exp2(S^T * scale*log2e - LSE2[query]) in place, the causal / key-range mask first.
+        Padding query rows have LSE2 = +inf (preprocess), so their P is 0."""
+        acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
+        offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
+        key0 = ctx.n_block * self.tile_n
+        q0 = m_block * self.tile_m
+        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            query = q0 + ctx.tScS[0, c][1]
+            lse2 = ctx.gLSE2[query]
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                key = key0 + ctx.tScS[r, c][0]
+                limit = ctx.seqlen.seqlen_k - 1
+                if cutlass.const_expr(self.is_causal):
+                    limit = cutlass.min(limit, query + offset)
+                # exp2(-inf) = 0 for keys past the sequence end or right of the diagonal.
+                x = acc[r, c] * ctx.scale_log2 - lse2
+                acc[r, c] = cute.math.exp2(cutlass.select_(key <= limit, x, -Float32.inf), fastmath=True)
+
+    @cute.jit
+    def dscores(self, ctx, acc_S, acc_dP, m_block: Int32):
+        """dS^T = P^T * (dP^T - D[query]) into ``acc_dP``."""
+        p = acc_to_mn(acc_S)
+        dp = acc_to_mn(acc_dP)
+        q0 = m_block * self.tile_m
+        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+            dsum = ctx.gD[q0 + ctx.tScS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = p[r, c] * (dp[r, c] - dsum)
+
+    @cute.jit
+    def store_dq(self, ctx, acc_dQ, m_block: Int32):
+        """Adds this block's dQ partial into the row-major fp32 accumulator chunk (at L2)."""
+        gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, ctx.head, ctx.batch, m_block, self.tile_m,
+                                       self.hdim)
+        coords = ctx.thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            row, col = coords[i]
+            bwd_math.red_add_f32(gacc.iterator + (row * self.hdim + col), acc_dQ[i])
+
+    @cute.jit
+    def epilogue(self, ctx, mdK, mdV, softmax_scale):
+        """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit, straight from registers to the
+        rows of this K/V block that exist."""
+        coords = self.mma_dkv.get_slice(ctx.tidx).partition_C(cute.make_identity_tensor((self.tile_n,
+                                                                                           self.hdim)))
+        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
+        for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
+            gT = cute.local_tile(mT[None, None, ctx.head, ctx.batch], (self.tile_n, self.hdim), (ctx.n_block, 0))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, col = coords[i]
+                if row < rows_left:
+                    gT[row, col] = (acc[i] * scale).to(self.dtype)
+
+
+class FlashBwdPostSm90:
+    """dQ = softmax_scale * dQaccum in the input dtype, from the row-major accumulator chunks the
+    sm90 main kernel writes (one CTA per query block; 128 threads, one row slice each)."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.hdim, self.tile_m = cfg.hdim, cfg.tile_m
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
+        mdQaccum = common.lse_to_seq_head(mdQaccum)
+        mdQ = common.to_seq_dim_head(mdQ)
+        grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
+        self.kernel(mdQaccum, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0])
+        gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        # Thread t converts elements t, t + 128, ...: coalesced fp32 reads, 2-byte writes.
+        for i in cutlass.range_constexpr(self.tile_m * self.hdim // 128):
+            idx = i * 128 + tidx
+            row = idx // self.hdim
+            if row < rows_left:
+                gdQ[row, idx - row * self.hdim] = (gacc[idx] * softmax_scale).to(self.dtype)
