@@ -39,7 +39,8 @@ class BwdSm90Config(jit.KernelConfig):
         if self.hdim not in SM90_BWD_HDIMS:
             raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
         if self.tile_n != 128 or self.tile_m % 64 != 0 or self.stages < 1:
-            raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple of 64")
+            raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple "
+                             "of 64")
 
     def build(self):
         from cute_flash.hopper.bwd import FlashBwdSm90

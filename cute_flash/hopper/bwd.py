@@ -164,12 +164,12 @@ class FlashBwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block, head,
-                          batch, m_block_min, m_block_max)
+                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block,
+                          head, batch, m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(240)
-            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, n_block, head, batch,
-                          m_block_min, m_block_max, softmax_scale, scale_log2)
+            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, n_block, head,
+                          batch, m_block_min, m_block_max, softmax_scale, scale_log2)
 
     @cute.jit
     def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
@@ -341,7 +341,8 @@ class FlashBwdSm90:
                                                                                            self.hdim)))
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
-            gT = cute.local_tile(mT[None, None, ctx.head, ctx.batch], (self.tile_n, self.hdim), (ctx.n_block, 0))
+            gT = cute.local_tile(mT[None, None, ctx.head, ctx.batch], (self.tile_n, self.hdim),
+                                 (ctx.n_block, 0))
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = coords[i]
                 if row < rows_left:
@@ -373,7 +374,7 @@ class FlashBwdPostSm90:
         gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         # Thread t converts elements t, t + 128, ...: coalesced fp32 reads, 2-byte writes.
-        for i in cutlass.range_constexpr(self.tile_m * self.hdim // 128):
+        for i in cutlass.range(self.tile_m * self.hdim // 128, unroll_full=True):
             idx = i * 128 + tidx
             row = idx // self.hdim
             if row < rows_left:
