@@ -292,6 +292,9 @@ class FlashBwdSm90:
         pipe_qdo.consumer_release(state)
         self.store_dq(ctx, acc_dQ, m_block)
 
+    # LSE2 and D are read from global memory (L2) column by column where they are used: holding
+    # them in registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are
+    # 192 of the 240). FA3 stages them in smem with the Q / dO loads -- the next step.
     @cute.jit
     def probs(self, ctx, acc_S, m_block: Int32):
         """P^T = exp2(S^T * scale*log2e - LSE2[query]) in place, the causal / key-range mask first.
