@@ -15,9 +15,12 @@ import torch
 
 from cute_flash import jit
 from cute_flash.bwd import BwdPreConfig
+from cute_flash.fwd import normalize_window
 
-# v1 scope of the main kernel (see its docstring): head dim 128 = value head dim, dense, no window,
-# softcap or GQA.
+# Scope of the main kernel so far (see its docstring): head dim 128 = value head dim, dense inputs
+# (GQA, causal and windows included), not deterministic. Softcap is written but spills ~30
+# registers (its 1 - tanh^2 factor on top of dK, dV, S^T, dP^T), so it is refused until the tile
+# is reorganised (e.g. a 32-query block with the dQ GEMM swapped).
 SM90_BWD_HDIMS = (128,)
 
 
@@ -29,6 +32,8 @@ class BwdSm90Config(jit.KernelConfig):
     dtype: str = "bf16"
     hdim: int = 128
     causal: bool = False
+    local: bool = False
+    softcap: bool = False
     tile_m: int = 64
     tile_n: int = 128
     stages: int = 2
@@ -38,6 +43,8 @@ class BwdSm90Config(jit.KernelConfig):
     def __post_init__(self) -> None:
         if self.hdim not in SM90_BWD_HDIMS:
             raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
+        if self.softcap:
+            raise ValueError("sm90 backward (work in progress): softcap not supported yet")
         if self.tile_n != 128 or self.tile_m % 64 != 0 or self.stages < 1:
             raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple "
                              "of 64")
@@ -55,16 +62,19 @@ class BwdSm90Config(jit.KernelConfig):
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m)
 
     def fake_args(self) -> tuple:
-        """(q, k, v, do, lse2, d, dq_accum, dk, dv, softmax_scale, stream)."""
+        """The sm80 main backward's arguments: (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k,
+        semaphores, softmax_scale, softcap, window_left, window_right, max_seqlen_k, stream)."""
         dt = jit.DTYPES[self.dtype]
         div = jit.vec_div(dt)
-        b, nq, nk, h = jit.sym(), jit.sym(), jit.sym(), jit.sym()
+        b, nq, nk, h, hkv = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym()
         q, do = (jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div) for _ in range(2))
-        k, v, dk, dv = (jit.fake_tensor(dt, (b, nk, h, self.hdim), divisibility=div) for _ in range(4))
+        k, v, dk, dv = (jit.fake_tensor(dt, (b, nk, hkv, self.hdim), divisibility=div) for _ in range(4))
         npad, npad_d = jit.sym(), jit.sym()
         lse2, d = (jit.fake_tensor(cutlass.Float32, (b, h, npad), divisibility=4) for _ in range(2))
         dq_acc = jit.fake_tensor(cutlass.Float32, (b, h, npad_d), divisibility=4)
-        return (q, k, v, do, lse2, d, dq_acc, dk, dv, cutlass.Float32(1.0), jit.fake_stream())
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        return (q, k, v, do, lse2, d, dq_acc, dk, dv, None, None, None, *scalars, jit.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -92,13 +102,17 @@ class BwdSm90PostConfig(jit.KernelConfig):
 
 def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-                 softmax_scale: float, causal: bool) -> None:
-    """Launch the sm90 backward (pre, main, post) on dense (B, N, H, d) CUDA tensors with H = H_kv;
-    writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet (tests call it directly)."""
-    if k.shape[2] != q.shape[2] or v.shape[-1] != q.shape[-1]:
-        raise ValueError("sm90 backward (work in progress): no GQA and d_v = d_qk only")
+                 softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0) -> None:
+    """Launch the sm90 backward (pre, main, post) on dense (B, N, H, d) CUDA tensors (K/V with
+    H_kv heads dividing H); writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet
+    (the tests call it directly)."""
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError("sm90 backward (work in progress): d_v = d_qk only")
+    causal, local, left, right = normalize_window(causal, window_size)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal)
+    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
+                        softcap=softcap > 0.0)
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     b, nq, h, d = q.shape
     npad = (nq + cfg.tile_m - 1) // cfg.tile_m * cfg.tile_m
@@ -107,5 +121,6 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dq_acc = torch.empty(b, h, npad * d, dtype=torch.float32, device=q.device)
     scale = float(softmax_scale)
     pre(out, dout, lse, lse2, dsum, dq_acc, None, None, nq)
-    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, scale)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, None, None, None, scale, float(softcap), left, right,
+         k.shape[1])
     post(dq_acc, dq, scale)

@@ -16,8 +16,10 @@ dS^T feed their GEMMs straight from registers):
 dQ of a query block is added into the fp32 accumulator (row-major chunk per query block, same
 padded scratch as the sm80 backward) with fire-and-forget ``red.global.add``; the sm80
 preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
-it. dK (scaled) and dV are stored at the end. Causal (bottom-right) masks only the query blocks on
-the diagonal. v1 scope: head dim 128 (= value head dim), no GQA, varlen, window or softcap.
+it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
+of every query head of its group, so dK and dV sum over the group in registers. Causal and
+sliding-window masks (bottom-right aligned) and softcap as in the sm80 backward. Scope so far:
+head dim 128 (= value head dim), dense inputs, not deterministic.
 """
 
 import cutlass
@@ -32,10 +34,11 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_flash.ampere import common
 from cute_flash.hopper.fwd import acc_to_frgA_sm90, wg_gemm
 from cute_flash.kernels import bwd_math
+from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import LOG2_E
+from cute_flash.kernels.softmax import score_scales
 
 # Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
 # by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
@@ -50,7 +53,7 @@ class FlashBwdSm90:
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim = cfg.hdim
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
-        self.is_causal = cfg.causal
+        self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.num_mma_threads = 256
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -109,7 +112,10 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, softmax_scale: Float32, stream):
+                 mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
+                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
+        """The sm80 main backward's signature (varlen and deterministic arguments must be None)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -122,8 +128,10 @@ class FlashBwdSm90:
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim))
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), mK.shape[2], mK.shape[3])
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        scales = (softmax_scale, score_scale, scale_log2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, tma_Q, tma_K, tma_V,
-                    tma_dO, softmax_scale, softmax_scale * Float32(LOG2_E), Storage).launch(
+                    tma_dO, scales, window_left, window_right, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -133,7 +141,7 @@ class FlashBwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-               tma_dO: cute.CopyAtom, softmax_scale: Float32, scale_log2: Float32,
+               tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32, window_right: Int32,
                Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -158,39 +166,35 @@ class FlashBwdSm90:
             sK=storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner),
             sV=storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner),
             sdS=storage.sdS.get_tensor(self.sdS_layout.outer, swizzle=self.sdS_layout.inner))
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0])
-        m_block_min, m_block_max = self.m_block_range(seqlen, n_block)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
+                               window_right)
+        m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
+        m_block_min = cutlass.min(m_block_min, m_block_max)
+        # GQA/MQA: this KV head's query heads are [head_kv * group, (head_kv + 1) * group).
+        group = mQ.shape[2] // mK.shape[2]
+        work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
+                          m_block_min=m_block_min, m_block_max=m_block_max)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(24)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block,
-                          head, batch, m_block_min, m_block_max)
+                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, work)
         else:
             cute.arch.setmaxregister_increase(240)
-            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, n_block, head,
-                          batch, m_block_min, m_block_max, softmax_scale, scale_log2)
-
-    @cute.jit
-    def m_block_range(self, seqlen: SeqlenInfo, n_block: Int32):
-        """Query blocks that see at least one key of K/V block ``n_block`` (bottom-right causal:
-        row i sees key j iff j <= i + Nk - Nq)."""
-        m_block_max = cute.ceil_div(seqlen.seqlen_q, self.tile_m)
-        m_block_min = Int32(0)
-        if cutlass.const_expr(self.is_causal):
-            first_row = n_block * self.tile_n - (seqlen.seqlen_k - seqlen.seqlen_q)
-            m_block_min = cutlass.min(cutlass.max(first_row, 0) // self.tile_m, m_block_max)
-        return m_block_min, m_block_max
+            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
+                          window_left, window_right)
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, n_block, head,
-             batch, m_block_min, m_block_max):
+    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, work):
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head, batch], (self.tile_n, self.hdim), (n_block, 0))
+        gK = cute.local_tile(mK[None, None, work.head_kv, work.batch], (self.tile_n, self.hdim),
+                             (work.n_block, 0))
+        gV = cute.local_tile(mV[None, None, work.head_kv, work.batch], (self.tile_n, self.hdim),
+                             (work.n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
@@ -200,26 +204,29 @@ class FlashBwdSm90:
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            pipe_qdo.producer_acquire(state)
-            bar = pipe_qdo.producer_get_barrier(state)
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-            state.advance()
+        for g in cutlass.range(work.group, unroll=1):
+            head = work.head_kv * work.group + g
+            gQ = cute.local_tile(mQ[None, None, head, work.batch], (self.tile_m, self.hdim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, work.batch], (self.tile_m, self.hdim), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            for m_block in cutlass.range(work.m_block_min, work.m_block_max, unroll=1):
+                pipe_qdo.producer_acquire(state)
+                bar = pipe_qdo.producer_get_barrier(state)
+                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+                state.advance()
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen: SeqlenInfo, n_block,
-                 head, batch, m_block_min, m_block_max, softmax_scale, scale_log2):
+    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen: SeqlenInfo, work,
+                 scales, window_left, window_right):
+        softmax_scale, score_scale, scale_log2 = scales
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -245,31 +252,35 @@ class FlashBwdSm90:
             acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             # (key, query) of each S^T element of this thread, within the tile.
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
-            seqlen=seqlen, n_block=n_block, scale_log2=scale_log2,
-            gLSE2=bwd_math.scratch_rows(mLSE2, seqlen, head, batch, self.tile_m),
-            gD=bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
-            mdQaccum=mdQaccum, head=head, batch=batch)
+            seqlen=seqlen, n_block=work.n_block, head_kv=work.head_kv, batch=work.batch,
+            score_scale=score_scale, scale_log2=scale_log2, window_left=window_left,
+            window_right=window_right, mLSE2=mLSE2, mD=mD, mdQaccum=mdQaccum)
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-            self.one_m_block(ctx, pipe_qdo, state, m_block)
+        num_m = work.m_block_max - work.m_block_min
+        for it in cutlass.range(work.group * num_m, unroll=1):
+            g = it // num_m
+            self.one_m_block(ctx, pipe_qdo, state, work.head_kv * work.group + g,
+                             work.m_block_min + it - g * num_m)
             state.advance()
         self.epilogue(ctx, mdK, mdV, softmax_scale)
 
     @cute.jit
-    def one_m_block(self, ctx, pipe_qdo, state, m_block: Int32):
+    def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
-        self.probs(ctx, acc_S, m_block)
+        gLSE2 = bwd_math.scratch_rows(ctx.mLSE2, ctx.seqlen, head, ctx.batch, self.tile_m)
+        gD = bwd_math.scratch_rows(ctx.mD, ctx.seqlen, head, ctx.batch, self.tile_m)
+        dtanh = self.probs(ctx, acc_S, gLSE2, m_block)
         warpgroup.wait_group(0)
-        self.dscores(ctx, acc_S, acc_dP, m_block)
+        self.dscores(ctx, acc_S, acc_dP, dtanh, gD, m_block)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         convert_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -290,46 +301,73 @@ class FlashBwdSm90:
         # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
         # pass the next block's EMPTY barrier).
         pipe_qdo.consumer_release(state)
-        self.store_dq(ctx, acc_dQ, m_block)
+        self.store_dq(ctx, acc_dQ, head, m_block)
 
     # LSE2 and D are read from global memory (L2) column by column where they are used: holding
     # them in registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are
     # 192 of the 240). FA3 stages them in smem with the Q / dO loads -- the next step.
     @cute.jit
-    def probs(self, ctx, acc_S, m_block: Int32):
-        """P^T = exp2(S^T * scale*log2e - LSE2[query]) in place, the causal / key-range mask first.
-        Padding query rows have LSE2 = +inf (preprocess), so their P is 0."""
+    def probs(self, ctx, acc_S, gLSE2, m_block: Int32):
+        """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
+        the key-range / causal / window mask. Padding query rows have LSE2 = +inf (preprocess),
+        so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
+        dtanh = None
+        if cutlass.const_expr(self.has_softcap):
+            # 1 - tanh^2 in [0, 1] kept as fp16 (11-bit mantissa): 16 registers instead of 32,
+            # which this register budget needs.
+            dtanh = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                t = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
+                acc_S[i] = t
+                dtanh[i] = (Float32(1.0) - t * t).to(cutlass.Float16)
         acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
         offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
         key0 = ctx.n_block * self.tile_n
         q0 = m_block * self.tile_m
+        # Window bounds relative to the query (bottom-right aligned); unbounded sides never bind.
+        right = Int32(0)
+        left = ctx.seqlen.seqlen_k
+        if cutlass.const_expr(self.is_local):
+            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
+            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
+        # In tile-local indices (key k, query q): k <= last_key, and the window
+        # q + offset - left <= k <= q + offset + right, i.e. lo <= k - q <= hi (scalars per block,
+        # so no per-column bound stays live in registers).
+        last_key = ctx.seqlen.seqlen_k - 1 - key0
+        hi = q0 + offset + right - key0
+        lo = q0 + offset - left - key0
         for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            query = q0 + ctx.tScS[0, c][1]
-            lse2 = ctx.gLSE2[query]
+            lse2 = gLSE2[q0 + ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                key = key0 + ctx.tScS[r, c][0]
-                limit = ctx.seqlen.seqlen_k - 1
-                if cutlass.const_expr(self.is_causal):
-                    limit = cutlass.min(limit, query + offset)
-                # exp2(-inf) = 0 for keys past the sequence end or right of the diagonal.
+                key, query = ctx.tScS[r, c]
                 x = acc[r, c] * ctx.scale_log2 - lse2
-                acc[r, c] = cute.math.exp2(cutlass.select_(key <= limit, x, -Float32.inf), fastmath=True)
+                ok = key <= last_key
+                if cutlass.const_expr(self.is_causal or self.is_local):
+                    ok = ok and key - query <= hi
+                if cutlass.const_expr(self.is_local):
+                    ok = ok and key - query >= lo
+                # exp2(-inf) = 0 for keys the query does not see.
+                acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
+        return dtanh
 
     @cute.jit
-    def dscores(self, ctx, acc_S, acc_dP, m_block: Int32):
-        """dS^T = P^T * (dP^T - D[query]) into ``acc_dP``."""
+    def dscores(self, ctx, acc_S, acc_dP, dtanh, gD, m_block: Int32):
+        """dS^T = P^T * (dP^T - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
         q0 = m_block * self.tile_m
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = ctx.gD[q0 + ctx.tScS[0, c][1]]
+            dsum = gD[q0 + ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_dP[i] * dtanh[i].to(Float32)
 
     @cute.jit
-    def store_dq(self, ctx, acc_dQ, m_block: Int32):
+    def store_dq(self, ctx, acc_dQ, head: Int32, m_block: Int32):
         """Adds this block's dQ partial into the row-major fp32 accumulator chunk (at L2)."""
-        gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, ctx.head, ctx.batch, m_block, self.tile_m,
+        gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                        self.hdim)
         coords = ctx.thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
@@ -344,7 +382,7 @@ class FlashBwdSm90:
                                                                                            self.hdim)))
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
-            gT = cute.local_tile(mT[None, None, ctx.head, ctx.batch], (self.tile_n, self.hdim),
+            gT = cute.local_tile(mT[None, None, ctx.head_kv, ctx.batch], (self.tile_n, self.hdim),
                                  (ctx.n_block, 0))
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = coords[i]
