@@ -17,11 +17,15 @@ from cute_flash import jit
 from cute_flash.bwd import BwdPreConfig
 from cute_flash.fwd import normalize_window
 
-# Scope of the main kernel so far (see its docstring): head dim 128 = value head dim, dense inputs
+# Scope of the main kernel so far (see its docstring): head dims 64 and 128 (= d_v), dense inputs
 # (GQA, causal and windows included), not deterministic. Softcap is written but spills ~30
 # registers (its 1 - tanh^2 factor on top of dK, dV, S^T, dP^T), so it is refused until the tile
 # is reorganised (e.g. a 32-query block with the dQ GEMM swapped).
-SM90_BWD_HDIMS = (128,)
+# Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
+# over the warpgroups by rows; d=128 takes 64 and splits dQ by columns (64 each). Either way each
+# consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys x d.
+SM90_BWD_TILE_M = {64: 128, 128: 64}
+SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class BwdSm90Config(jit.KernelConfig):
     causal: bool = False
     local: bool = False
     softcap: bool = False
-    tile_m: int = 64
+    tile_m: int = 0
     tile_n: int = 128
     stages: int = 2
 
@@ -43,9 +47,11 @@ class BwdSm90Config(jit.KernelConfig):
     def __post_init__(self) -> None:
         if self.hdim not in SM90_BWD_HDIMS:
             raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
+        if not self.tile_m:
+            object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
         if self.softcap:
             raise ValueError("sm90 backward (work in progress): softcap not supported yet")
-        if self.tile_n != 128 or self.tile_m % 64 != 0 or self.stages < 1:
+        if self.tile_n != 128 or self.tile_m not in (64, 128) or self.stages < 1:
             raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple "
                              "of 64")
 

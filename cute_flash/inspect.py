@@ -129,6 +129,18 @@ def _sm90_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
                           softcap=variant.softcap, varlen=variant.varlen)]
 
 
+def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
+    """The FA3-style backward (work in progress, not dispatched yet): main kernel + postprocess
+    (the preprocess is the sm80 one)."""
+    from cute_flash.bwd_sm90 import BwdSm90Config
+
+    if variant.dv != variant.hdim or variant.varlen or variant.deterministic:
+        raise ValueError("the sm90 backward (work in progress) covers d_v = d, dense, non-deterministic")
+    cfg = BwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
+                        causal=variant.causal, local=variant.local, softcap=variant.softcap)
+    return [cfg.pre(), cfg, cfg.post()]
+
+
 def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
     """What an H100/H200 launches by default: the sm90 forward where it has the head dims, else
     the sm80 one (``cute_flash.fwd.fwd_family``, auto mode)."""
@@ -147,6 +159,7 @@ for _arch in jit.ARCHS:
     register_family(_arch, "bwd", _sm80_bwd_configs, family="sm80")
 register_family("sm_90a", "fwd", _hopper_fwd_configs)
 register_family("sm_90a", "fwd", _sm90_fwd_configs, family="sm90")
+register_family("sm_90a", "bwd", _sm90_bwd_configs, family="sm90")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from cute_flash import jit
 from cute_flash.bwd_sm90 import BwdSm90Config
 
 VARIANTS = [
-    BwdSm90Config(target="sm_90a", dtype=dtype, hdim=128, causal=mode == "causal", local=mode == "local")
-    for dtype in ("bf16", "fp16") for mode in ("plain", "causal", "local")
+    BwdSm90Config(target="sm_90a", dtype=dtype, hdim=d, causal=mode == "causal", local=mode == "local")
+    for dtype in ("bf16", "fp16") for d in (64, 128) for mode in ("plain", "causal", "local")
 ]
 
 
@@ -47,17 +47,20 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             f.write(cubin)
         usage = ins.resource_usage(path)
         sass = ins.disassemble(path) or ""
-    # Unmasked: no spills. Masked: ptxas keeps one or two loop-invariant values on the stack
-    # (one refill per query block) at this register budget -- tolerated while the kernel is work
-    # in progress, bounded here so a real regression still fails.
-    spills = len(re.findall(r"\bSTL\b", sass)) if sass else None
+    # d=128 unmasked: no spills. Masked / d=64: ptxas keeps a few values on the stack at this
+    # register budget (1-7 spill stores, refilled once per query block) -- tolerated while the
+    # kernel is work in progress, bounded here so a real regression still fails.
+    clean = cfg.hdim == 128 and not (cfg.causal or cfg.local)
     for fn, res in usage.items():
-        if not (cfg.causal or cfg.local):
+        if clean:
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
     if sass:
-        assert spills <= (0 if not (cfg.causal or cfg.local) else 4), f"{spills} spill stores"
+        spills = len(re.findall(r"\bSTL\b", sass))
+        assert spills <= (0 if clean else 8), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
-        assert hgmma == 32, f"{hgmma} HGMMA: expected 8 (S) + 8 (dP) + 4 (dV) + 4 (dK) + 8 (dQ)"
+        # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=64 (128 query rows)
+        # 4, 4, 8, 8, 8.
+        assert hgmma == 32, f"{hgmma} HGMMA"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and "REDG" in sass
 
@@ -69,7 +72,7 @@ def test_sm90_bwd_postprocess_compiles() -> None:
 
 def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=64)
+        BwdSm90Config(target="sm_90a", hdim=96)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", tile_n=64)
     with pytest.raises(ValueError):
@@ -93,6 +96,8 @@ GPU_CASES = [
     (1, 300, 300, 4, 1, True, (-1, -1)),  # MQA
     (2, 500, 700, 2, 2, False, (96, 32)),  # sliding window
 ]
+# d=64 (128 query rows per block, dQ split by rows) on a few of them.
+GPU_CASES = [(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7)]
 
 
 @pytest.mark.gpu
@@ -106,9 +111,9 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
     from cute_flash.bwd_sm90 import run_bwd_sm90
     from cute_flash.reference import attention_ref
 
-    B, Nq, Nk, H, Hkv, causal, window = case
+    B, Nq, Nk, H, Hkv, causal, window, d = case
     torch.manual_seed(0)
-    dev, dt, d = "cuda", torch.bfloat16, 128
+    dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Nq, H, d, device=dev, dtype=dt)
     k = torch.randn(B, Nk, Hkv, d, device=dev, dtype=dt)
     v = torch.randn(B, Nk, Hkv, d, device=dev, dtype=dt)
@@ -131,3 +136,14 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
         err = (g.float() - g_hi.float()).abs().max().item()
         err_lo = (g_lo.float() - g_hi.float()).abs().max().item()
         assert err <= 2 * err_lo + 1e-3, (name, err, err_lo)
+
+
+def test_inspect_reports_the_sm90_backward_family() -> None:
+    """``python -m cute_flash inspect --arch sm_90a --kernel bwd --family sm90 --json``: wgmma, TMA,
+    register reallocation both ways, the fp32 dQ reductions."""
+    report = ins.inspect_variant(ins.Variant(arch="sm_90a", kernel="bwd", hdim=128, family="sm90"))
+    ptx = report["ptx"]
+    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec",
+               "red.global.add"):
+        assert ptx.get(op, 0) > 0, op
+    assert report["spill_bytes"] in (0, None)

@@ -19,7 +19,8 @@ preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` sca
 it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
 of every query head of its group, so dK and dV sum over the group in registers. Causal and
 sliding-window masks (bottom-right aligned) and softcap as in the sm80 backward. Scope so far:
-head dim 128 (= value head dim), dense inputs, not deterministic.
+head dims 64 (128 query rows per block, dQ split by rows) and 128 (64 rows, dQ split by columns),
+d_v = d, dense inputs, not deterministic; softcap is refused by the config (it spills).
 """
 
 import cutlass
@@ -87,9 +88,14 @@ class FlashBwdSm90:
         self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d),
             a_source=warpgroup.OperandSource.RMEM)
-        # dQ: M = the query block, N = head dim split over the two warpgroups, K = keys.
-        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
+        # dQ: M = the query block, N = head dim, K = keys; the two warpgroups split it by columns
+        # (64 query rows) or by rows (128 query rows).
+        if tm == 64:
+            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
+        else:
+            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d))
 
     def _storage(self):
         stages = self.num_stages
