@@ -99,6 +99,54 @@ def _scratch_fakes(varlen: bool, h, b, with_sem: bool):
     return lse2, d, dq_acc, sem
 
 
+def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, deterministic: bool) -> tuple:
+    """Compile arguments of every main backward kernel (sm80 and sm90 share the call signature):
+    (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k, semaphores, softmax_scale, softcap,
+    window_left, window_right, max_seqlen_k, stream)."""
+    dt = jit.DTYPES[dtype]
+    div = jit.vec_div(dt)
+    h, hkv, d, dv = jit.sym(), jit.sym(), hdim, hdim_v
+    if varlen:
+        tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
+        q_shape, k_shape = (lambda x: (tq, h, x)), (lambda x: (tk, hkv, x))
+        cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        b = None
+    else:
+        b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+        q_shape, k_shape = (lambda x: (b, nq, h, x)), (lambda x: (b, nk, hkv, x))
+        cu_q = cu_k = None
+    q = jit.fake_tensor(dt, q_shape(d), divisibility=div)
+    k = jit.fake_tensor(dt, k_shape(d), divisibility=div)
+    v = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
+    do = jit.fake_tensor(dt, q_shape(dv), divisibility=div)
+    dk = jit.fake_tensor(dt, k_shape(d), divisibility=div)
+    dvv = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
+    lse2, dsum, dq_acc, sem = _scratch_fakes(varlen, h, b, deterministic)
+    scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+               cutlass.Int32(0))
+    return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, jit.fake_stream())
+
+
+def bwd_post_fake_args(dtype: str, hdim: int, varlen: bool) -> tuple:
+    """Compile arguments of every backward postprocess: (dq_accum, dq, cu_q, softmax_scale,
+    max_seqlen_q, stream)."""
+    dt = jit.DTYPES[dtype]
+    div = jit.vec_div(dt)
+    h = jit.sym()
+    if varlen:
+        tq, b1 = jit.sym(), jit.sym()
+        dq = jit.fake_tensor(dt, (tq, h, hdim), divisibility=div)
+        cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
+        b = None
+    else:
+        b, nq = jit.sym(), jit.sym()
+        dq = jit.fake_tensor(dt, (b, nq, h, hdim), divisibility=div)
+        cu_q = None
+    _, _, dq_acc, _ = _scratch_fakes(varlen, h, b, False)
+    return (dq_acc, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(0), jit.fake_stream())
+
+
 @dataclass(frozen=True)
 class BwdPreConfig(jit.KernelConfig):
     """D = rowsum(dO*O), LSE*log2e, zeroed dQ accumulator (+ semaphores when deterministic)."""
@@ -173,29 +221,7 @@ class BwdConfig(jit.KernelConfig):
                              tiles=self.tiles)
 
     def fake_args(self) -> tuple:
-        dt = jit.DTYPES[self.dtype]
-        div = jit.vec_div(dt)
-        h, hkv, d, dv = jit.sym(), jit.sym(), self.hdim, self.hdim_v
-        if self.varlen:
-            tq, tk, b1 = jit.sym(), jit.sym(), jit.sym()
-            q_shape, k_shape = (lambda x: (tq, h, x)), (lambda x: (tk, hkv, x))
-            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-            cu_k = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-            b = None
-        else:
-            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
-            q_shape, k_shape = (lambda x: (b, nq, h, x)), (lambda x: (b, nk, hkv, x))
-            cu_q = cu_k = None
-        q = jit.fake_tensor(dt, q_shape(d), divisibility=div)
-        k = jit.fake_tensor(dt, k_shape(d), divisibility=div)
-        v = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
-        do = jit.fake_tensor(dt, q_shape(dv), divisibility=div)
-        dk = jit.fake_tensor(dt, k_shape(d), divisibility=div)
-        dvv = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
-        lse2, dsum, dq_acc, sem = _scratch_fakes(self.varlen, h, b, self.deterministic)
-        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
-                   cutlass.Int32(0))
-        return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, jit.fake_stream())
+        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen, self.deterministic)
 
 
 @dataclass(frozen=True)
@@ -219,20 +245,7 @@ class BwdPostConfig(jit.KernelConfig):
         return FlashBwdPostSm80(self)
 
     def fake_args(self) -> tuple:
-        dt = jit.DTYPES[self.dtype]
-        div = jit.vec_div(dt)
-        h = jit.sym()
-        if self.varlen:
-            tq, b1 = jit.sym(), jit.sym()
-            dq = jit.fake_tensor(dt, (tq, h, self.hdim), divisibility=div)
-            cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
-            b = None
-        else:
-            b, nq = jit.sym(), jit.sym()
-            dq = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div)
-            cu_q = None
-        _, _, dq_acc, _ = _scratch_fakes(self.varlen, h, b, False)
-        return (dq_acc, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(0), jit.fake_stream())
+        return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,10 +284,11 @@ def _smem_optin(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def _alloc_scratch(q: torch.Tensor, cfg: BwdConfig, num_batch: int, rows: int, varlen: bool):
+def alloc_scratch(q: torch.Tensor, tile_m: int, hdim: int, deterministic: bool, num_batch: int, rows: int,
+                  varlen: bool):
     """fp32 LSE*log2e, D, dQ accumulator and (deterministic) int32 semaphores, per padded row
     (see cute_flash/kernels/bwd_math.py). Contents are written by the preprocess: no memset."""
-    tm, h, d = cfg.tiles.tile_m, q.shape[-2], cfg.hdim
+    tm, h, d = tile_m, q.shape[-2], hdim
     dev = q.device
     if varlen:
         # Batch b starts at padded row (cu_q[b] + b*tm) // tm * tm; the last one ends before
@@ -287,7 +301,7 @@ def _alloc_scratch(q: torch.Tensor, cfg: BwdConfig, num_batch: int, rows: int, v
     lse2 = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
     dsum = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
     dq_acc = torch.empty(*lead, npad * d, dtype=torch.float32, device=dev)
-    sem = torch.empty(*lead, npad // tm, dtype=torch.int32, device=dev) if cfg.deterministic else None
+    sem = torch.empty(*lead, npad // tm, dtype=torch.int32, device=dev) if deterministic else None
     return lse2, dsum, dq_acc, sem
 
 
@@ -332,7 +346,8 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if need > _smem_optin(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         raise NotImplementedError(f"sm80 backward tiles for hdim {cfg.hdim}/{cfg.hdim_v} need {need} B of "
                                   "shared memory per block, more than this GPU offers")
-    lse2, dsum, dq_acc, sem = _alloc_scratch(q, cfg, num_batch, rows_q, varlen)
+    lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tiles.tile_m, cfg.hdim, cfg.deterministic, num_batch,
+                                            rows_q, varlen)
     scale = float(softmax_scale)
     pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,

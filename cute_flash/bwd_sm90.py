@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cutlass
 import torch
 
 from cute_flash import jit
-from cute_flash.bwd import BwdPreConfig
+from cute_flash.bwd import BwdPreConfig, _max_seqlen, alloc_scratch, bwd_main_fake_args, bwd_post_fake_args
 from cute_flash.fwd import normalize_window
 
 # Scope of the main kernel so far (see its docstring): head dims 64 and 128 (= d_v), dense inputs
@@ -38,6 +37,7 @@ class BwdSm90Config(jit.KernelConfig):
     causal: bool = False
     local: bool = False
     softcap: bool = False
+    varlen: bool = False
     tile_m: int = 0
     tile_n: int = 128
     stages: int = 2
@@ -62,25 +62,15 @@ class BwdSm90Config(jit.KernelConfig):
 
     def pre(self) -> BwdPreConfig:
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim,
-                            tile_m=self.tile_m)
+                            tile_m=self.tile_m, varlen=self.varlen)
 
     def post(self) -> BwdSm90PostConfig:
-        return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m)
+        return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,
+                                 varlen=self.varlen)
 
     def fake_args(self) -> tuple:
-        """The sm80 main backward's arguments: (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k,
-        semaphores, softmax_scale, softcap, window_left, window_right, max_seqlen_k, stream)."""
-        dt = jit.DTYPES[self.dtype]
-        div = jit.vec_div(dt)
-        b, nq, nk, h, hkv = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym()
-        q, do = (jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div) for _ in range(2))
-        k, v, dk, dv = (jit.fake_tensor(dt, (b, nk, hkv, self.hdim), divisibility=div) for _ in range(4))
-        npad, npad_d = jit.sym(), jit.sym()
-        lse2, d = (jit.fake_tensor(cutlass.Float32, (b, h, npad), divisibility=4) for _ in range(2))
-        dq_acc = jit.fake_tensor(cutlass.Float32, (b, h, npad_d), divisibility=4)
-        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
-                   cutlass.Int32(0))
-        return (q, k, v, do, lse2, d, dq_acc, dk, dv, None, None, None, *scalars, jit.fake_stream())
+        """The sm80 main backward's arguments (``bwd.bwd_main_fake_args``)."""
+        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim, self.varlen, False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +80,7 @@ class BwdSm90PostConfig(jit.KernelConfig):
     dtype: str = "bf16"
     hdim: int = 128
     tile_m: int = 64
+    varlen: bool = False
 
     kernel_name = "bwd_post_sm90"
 
@@ -99,34 +90,35 @@ class BwdSm90PostConfig(jit.KernelConfig):
         return FlashBwdPostSm90(self)
 
     def fake_args(self) -> tuple:
-        dt = jit.DTYPES[self.dtype]
-        b, nq, h, npad_d = jit.sym(), jit.sym(), jit.sym(), jit.sym()
-        dq_acc = jit.fake_tensor(cutlass.Float32, (b, h, npad_d), divisibility=4)
-        dq = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=jit.vec_div(dt))
-        return (dq_acc, dq, cutlass.Float32(1.0), jit.fake_stream())
+        return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
 def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                  softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0) -> None:
-    """Launch the sm90 backward (pre, main, post) on dense (B, N, H, d) CUDA tensors (K/V with
-    H_kv heads dividing H); writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet
-    (the tests call it directly)."""
+                 softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
+                 cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                 max_seqlen_k: int | None = None) -> None:
+    """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
+    ``bwd.run_bwd``; writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet (the tests
+    call it directly)."""
     if v.shape[-1] != q.shape[-1]:
         raise ValueError("sm90 backward (work in progress): d_v = d_qk only")
     causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        num_batch, rows_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
+        mq, mk = _max_seqlen(cu_seqlens_q, max_seqlen_q), _max_seqlen(cu_seqlens_k, max_seqlen_k)
+    else:
+        num_batch, rows_q = q.shape[0], q.shape[1]
+        mq, mk = q.shape[1], k.shape[1]
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
-                        softcap=softcap > 0.0)
+                        softcap=softcap > 0.0, varlen=varlen)
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
-    b, nq, h, d = q.shape
-    npad = (nq + cfg.tile_m - 1) // cfg.tile_m * cfg.tile_m
-    lse2 = torch.empty(b, h, npad, dtype=torch.float32, device=q.device)
-    dsum = torch.empty_like(lse2)
-    dq_acc = torch.empty(b, h, npad * d, dtype=torch.float32, device=q.device)
+    lse2, dsum, dq_acc, _ = alloc_scratch(q, cfg.tile_m, cfg.hdim, False, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
-    pre(out, dout, lse, lse2, dsum, dq_acc, None, None, nq)
-    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, None, None, None, scale, float(softcap), left, right,
-         k.shape[1])
-    post(dq_acc, dq, scale)
+    pre(out, dout, lse, lse2, dsum, dq_acc, None, cu_seqlens_q, mq)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, None, scale, float(softcap),
+         left, right, mk)
+    post(dq_acc, dq, cu_seqlens_q, scale, mq)

@@ -147,7 +147,7 @@ def test_varlen_scratch_holds_every_padded_batch() -> None:
 
     import torch
 
-    from cute_flash.bwd import _alloc_scratch
+    from cute_flash.bwd import alloc_scratch
 
     rng = random.Random(0)
     for _ in range(300):
@@ -159,7 +159,8 @@ def test_varlen_scratch_holds_every_padded_batch() -> None:
         for n in lens:
             cu.append(cu[-1] + n)
         q = torch.empty(cu[-1], 2, hdim)
-        lse2, dsum, dq_acc, sem = _alloc_scratch(q, cfg, len(lens), cu[-1], varlen=True)
+        lse2, dsum, dq_acc, sem = alloc_scratch(q, tm, cfg.hdim, cfg.deterministic, len(lens), cu[-1],
+                                                varlen=True)
         rows = lse2.shape[-1]
         assert dsum.shape == lse2.shape and dq_acc.shape[-1] == rows * hdim and sem.shape[-1] * tm == rows
         end = 0

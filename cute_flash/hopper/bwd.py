@@ -55,6 +55,7 @@ class FlashBwdSm90:
         self.hdim = cfg.hdim
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
+        self.varlen = cfg.varlen
         self.num_mma_threads = 256
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -121,7 +122,9 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
-        """The sm80 main backward's signature (varlen and deterministic arguments must be None)."""
+        """The sm80 main backward's signature (the semaphores, for deterministic mode, must be None).
+        Packed (varlen) inputs: TMA boxes start at each batch's first row; rows of the next batch
+        that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -133,11 +136,12 @@ class FlashBwdSm90:
                                                       (self.tile_m, self.hdim))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim))
-        grid = (cute.ceil_div(mK.shape[0], self.tile_n), mK.shape[2], mK.shape[3])
+        num_batch, seqlen_k = common.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
+        grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
-        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, tma_Q, tma_K, tma_V,
-                    tma_dO, scales, window_left, window_right, Storage).launch(
+        self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
+                    tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -146,7 +150,8 @@ class FlashBwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+               mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+               tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
                tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32, window_right: Int32,
                Storage: cutlass.Constexpr):
         self._setup()
@@ -173,7 +178,7 @@ class FlashBwdSm90:
             sV=storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner),
             sdS=storage.sdS.get_tensor(self.sdS_layout.outer, swizzle=self.sdS_layout.inner))
         n_block, head_kv, batch = cute.arch.block_idx()
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0])
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
                                window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
@@ -182,24 +187,29 @@ class FlashBwdSm90:
         group = mQ.shape[2] // mK.shape[2]
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, work)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
-                          window_left, window_right)
+        # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
+        # once (the condition is uniform over the CTA).
+        if n_block * self.tile_n < seqlen.seqlen_k:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(24)
+                if warp_idx == 0:
+                    self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, seqlen,
+                              work)
+            else:
+                cute.arch.setmaxregister_increase(240)
+                self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
+                              window_left, window_right)
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, work):
+    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo,
+             seqlen: SeqlenInfo, work):
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, work.head_kv, work.batch], (self.tile_n, self.hdim),
+        gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
                              (work.n_block, 0))
-        gV = cute.local_tile(mV[None, None, work.head_kv, work.batch], (self.tile_n, self.hdim),
+        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim),
                              (work.n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
@@ -212,19 +222,27 @@ class FlashBwdSm90:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(work.group, unroll=1):
-            head = work.head_kv * work.group + g
-            gQ = cute.local_tile(mQ[None, None, head, work.batch], (self.tile_m, self.hdim), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, work.batch], (self.tile_m, self.hdim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
-                                                   cute.group_modes(gdO, 0, 2))
-            for m_block in cutlass.range(work.m_block_min, work.m_block_max, unroll=1):
-                pipe_qdo.producer_acquire(state)
-                bar = pipe_qdo.producer_get_barrier(state)
-                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-                state.advance()
+            # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
+            state = self.load_head(mQ, mdO, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
+                                   work.head_kv * work.group + g, state)
+
+    @cute.jit
+    def load_head(self, mQ, mdO, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head, state):
+        """Q and dO of every query block of one query head that sees this K/V block."""
+        one = cute.make_layout(1)
+        gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        for m_block in cutlass.range(work.m_block_min, work.m_block_max, unroll=1):
+            pipe_qdo.producer_acquire(state)
+            bar = pipe_qdo.producer_get_barrier(state)
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            state.advance()
+        return state
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
@@ -388,7 +406,7 @@ class FlashBwdSm90:
                                                                                            self.hdim)))
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
-            gT = cute.local_tile(mT[None, None, ctx.head_kv, ctx.batch], (self.tile_n, self.hdim),
+            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
                                  (ctx.n_block, 0))
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = coords[i]
@@ -406,19 +424,24 @@ class FlashBwdPostSm90:
         self.hdim, self.tile_m = cfg.hdim, cfg.tile_m
 
     @cute.jit
-    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream):
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+                 softmax_scale: Float32, max_seqlen_q: Int32, stream):
+        """The sm80 postprocess's signature."""
         mdQaccum = common.lse_to_seq_head(mdQaccum)
         mdQ = common.to_seq_dim_head(mdQ)
-        grid = (cute.ceil_div(mdQ.shape[0], self.tile_m), mdQ.shape[2], mdQ.shape[3])
-        self.kernel(mdQaccum, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+        num_batch, seqlen_q = common.grid_rows(mdQ, mCuSeqlensQ, max_seqlen_q)
+        grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
+        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale).launch(grid=grid, block=[128, 1, 1],
+                                                                      stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+               softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0])
+        seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, None)
         gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
-        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         # Thread t converts elements t, t + 128, ...: coalesced fp32 reads, 2-byte writes.
         for i in cutlass.range(self.tile_m * self.hdim // 128, unroll_full=True):
