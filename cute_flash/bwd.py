@@ -82,7 +82,7 @@ def bwd_tiles(hdim: int, hdim_v: int, softcap: bool = False) -> BwdTiles:
 
 
 def _scratch_fakes(varlen: bool, h, b, with_sem: bool):
-    """Fake fp32 scratch tensors (LSE2, D, dQaccum, semaphores); see ``_alloc_scratch``."""
+    """Fake fp32 scratch tensors (LSE2, D, dQaccum, semaphores); see ``alloc_scratch``."""
     f32 = cutlass.Float32
     if varlen:
         tpad, tpad_d, nblk = jit.sym(), jit.sym(), jit.sym()

@@ -17,7 +17,7 @@ from cute_flash.bwd import BwdPreConfig, _max_seqlen, alloc_scratch, bwd_main_fa
 from cute_flash.fwd import normalize_window
 
 # Scope of the main kernel so far (see its docstring): head dims 64 and 128 (= d_v), dense inputs
-# (GQA, causal and windows included), not deterministic. Softcap is written but spills ~30
+# (GQA, causal, windows, varlen and deterministic mode included). Softcap is written but spills ~30
 # registers (its 1 - tanh^2 factor on top of dK, dV, S^T, dP^T), so it is refused until the tile
 # is reorganised (e.g. a 32-query block with the dQ GEMM swapped).
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
@@ -38,6 +38,7 @@ class BwdSm90Config(jit.KernelConfig):
     local: bool = False
     softcap: bool = False
     varlen: bool = False
+    deterministic: bool = False
     tile_m: int = 0
     tile_n: int = 128
     stages: int = 2
@@ -62,7 +63,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def pre(self) -> BwdPreConfig:
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim,
-                            tile_m=self.tile_m, varlen=self.varlen)
+                            tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic)
 
     def post(self) -> BwdSm90PostConfig:
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,
@@ -70,7 +71,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         """The sm80 main backward's arguments (``bwd.bwd_main_fake_args``)."""
-        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim, self.varlen, False)
+        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim, self.varlen, self.deterministic)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
                  cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                 max_seqlen_k: int | None = None) -> None:
+                 max_seqlen_k: int | None = None, deterministic: bool = False) -> None:
     """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
     ``bwd.run_bwd``; writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet (the tests
     call it directly)."""
@@ -114,11 +115,11 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         mq, mk = q.shape[1], k.shape[1]
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
-                        softcap=softcap > 0.0, varlen=varlen)
+                        softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
-    lse2, dsum, dq_acc, _ = alloc_scratch(q, cfg.tile_m, cfg.hdim, False, num_batch, rows_q, varlen)
+    lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
-    pre(out, dout, lse, lse2, dsum, dq_acc, None, cu_seqlens_q, mq)
-    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, None, scale, float(softcap),
+    pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale, float(softcap),
          left, right, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)

@@ -21,6 +21,10 @@ VARIANTS = [
     # Packed (varlen) inputs.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
     for d in (64, 128) for c in (False, True)
+] + [
+    # Deterministic dQ (ordered accumulation through semaphores).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
+    for c, vl in ((False, False), (True, True))
 ]
 
 
@@ -30,7 +34,8 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    return f"{cfg.dtype}-d{cfg.hdim}-{mode}" + ("-varlen" if cfg.varlen else "")
+    return (f"{cfg.dtype}-d{cfg.hdim}-{mode}" + ("-varlen" if cfg.varlen else "")
+            + ("-deterministic" if cfg.deterministic else ""))
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -56,6 +61,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
     # block) -- tolerated while the kernel is work in progress (FA3 stages LSE / D in smem and
     # shuffles them to save these registers), bounded so a real regression still fails.
     clean = cfg.hdim == 128 and not (cfg.causal or cfg.local or cfg.varlen)
+    if cfg.deterministic:  # the semaphore spin and flag stores
+        assert _count(ptx, "ld.acquire") + _count(ptx, "ld.global.acquire") > 0 and "st.release" in ptx
     for fn, res in usage.items():
         if clean:
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
@@ -191,3 +198,27 @@ def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bo
         err = (g.float() - g_hi.float()).abs().max().item()
         err_lo = (g_lo.float() - g_hi.float()).abs().max().item()
         assert err <= 2 * err_lo + 1e-3, (name, err, err_lo)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible() -> None:
+    import torch
+
+    from cute_flash.bwd_sm90 import run_bwd_sm90
+    from cute_flash.reference import attention_ref
+
+    torch.manual_seed(2)
+    dev, dt, d = "cuda", torch.bfloat16, 128
+    q, do = (torch.randn(2, 1024, 4, d, device=dev, dtype=dt) for _ in range(2))
+    k, v = (torch.randn(2, 1024, 2, d, device=dev, dtype=dt) for _ in range(2))
+    out, lse = attention_ref(q, k, v, causal=True)
+    first = None
+    for _ in range(100):
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, softmax_scale=d ** -0.5,
+                     causal=True, deterministic=True)
+        if first is None:
+            first = grads
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))

@@ -46,6 +46,8 @@ from cute_flash.kernels.softmax import score_scales
 # wait for the previous block's dQ GEMMs (EMPTY) and its dQ GEMMs for both halves (FULL).
 BAR_DS_EMPTY = 1
 BAR_DS_FULL = 2
+# Deterministic mode: the consumer threads wait together for the previous K/V block's dQ adds.
+BAR_DQ_ORDER = 3
 
 
 class FlashBwdSm90:
@@ -55,7 +57,7 @@ class FlashBwdSm90:
         self.hdim = cfg.hdim
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
-        self.varlen = cfg.varlen
+        self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.num_mma_threads = 256
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -122,13 +124,15 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
-        """The sm80 main backward's signature (the semaphores, for deterministic mode, must be None).
+        """The sm80 main backward's signature (semaphores: deterministic mode only, else None).
         Packed (varlen) inputs: TMA boxes start at each batch's first row; rows of the next batch
         that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
+        if cutlass.const_expr(mSemaphore is not None):
+            mSemaphore = common.lse_to_seq_head(mSemaphore)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]),
                                                     (self.tile_m, self.hdim))
@@ -141,7 +145,8 @@ class FlashBwdSm90:
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right, Storage).launch(
+                    mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right,
+                    Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -151,9 +156,9 @@ class FlashBwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-               tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-               tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32, window_right: Int32,
-               Storage: cutlass.Constexpr):
+               mSemaphore: cute.Tensor | None, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom,
+               tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32,
+               window_right: Int32, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -183,10 +188,14 @@ class FlashBwdSm90:
                                window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
         m_block_min = cutlass.min(m_block_min, m_block_max)
+        # Deterministic mode: the query blocks the previous K/V block added dQ into (their ranges
+        # are intervals whose both ends never decrease with n, as in the sm80 backward).
+        prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block - 1)
         # GQA/MQA: this KV head's query heads are [head_kv * group, (head_kv + 1) * group).
         group = mQ.shape[2] // mK.shape[2]
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
-                          m_block_min=m_block_min, m_block_max=m_block_max)
+                          m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
+                          prev_max=prev_max, mSemaphore=mSemaphore)
         # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
         # once (the condition is uniform over the CTA).
         if n_block * self.tile_n < seqlen.seqlen_k:
@@ -278,7 +287,8 @@ class FlashBwdSm90:
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
             seqlen=seqlen, n_block=work.n_block, head_kv=work.head_kv, batch=work.batch,
             score_scale=score_scale, scale_log2=scale_log2, window_left=window_left,
-            window_right=window_right, mLSE2=mLSE2, mD=mD, mdQaccum=mdQaccum)
+            window_right=window_right, mLSE2=mLSE2, mD=mD, mdQaccum=mdQaccum, mSemaphore=work.mSemaphore,
+            prev_min=work.prev_min, prev_max=work.prev_max)
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -393,10 +403,21 @@ class FlashBwdSm90:
         """Adds this block's dQ partial into the row-major fp32 accumulator chunk (at L2)."""
         gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                        self.hdim)
+        sem = None
+        if cutlass.const_expr(self.deterministic):
+            # Bitwise-reproducible dQ: K/V blocks add into a query block in order n = 0, 1, ...;
+            # block n waits until block n-1 (if it saw this query block) has published n.
+            idx = bwd_math.semaphore_index(ctx.seqlen, ctx.batch, m_block, self.tile_m)
+            coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, ctx.batch)
+            sem = ctx.mSemaphore.iterator + cute.crd2idx(coord, ctx.mSemaphore.layout)
+            if ctx.n_block > 0 and m_block >= ctx.prev_min and m_block < ctx.prev_max:
+                bwd_math.semaphore_wait(sem, ctx.n_block, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         coords = ctx.thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             row, col = coords[i]
             bwd_math.red_add_f32(gacc.iterator + (row * self.hdim + col), acc_dQ[i])
+        if cutlass.const_expr(self.deterministic):
+            bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):

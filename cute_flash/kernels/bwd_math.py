@@ -114,24 +114,35 @@ def red_add_f32(ptr: cute.Pointer, val: Float32):
     cute.arch.red(ptr, val, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
 
+def _sync(barrier_id: int, num_threads: int) -> None:
+    # The whole CTA (``__syncthreads``), or the threads of a named barrier (warp-specialised
+    # kernels, where only the consumer warps reduce dQ).
+    if cutlass.const_expr(barrier_id == 0):
+        cute.arch.barrier()
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+
+
 @cute.jit
-def semaphore_wait(ptr: cute.Pointer, expected: Int32, tidx: Int32):
-    """Block the CTA until ``*ptr == expected``. One thread spins with acquire loads (gpu
-    scope); the CTA barrier then extends the acquire to every thread, so no thread issues its
-    dQ reductions before the previous K/V block's reductions are visible."""
+def semaphore_wait(ptr: cute.Pointer, expected: Int32, tidx: Int32, barrier_id: cutlass.Constexpr[int] = 0,
+                   num_threads: cutlass.Constexpr[int] = 0):
+    """Block the CTA (or the threads of named barrier ``barrier_id``) until ``*ptr == expected``.
+    One thread spins with acquire loads (gpu scope); the barrier then extends the acquire to every
+    thread, so no thread issues its dQ reductions before the previous K/V block's are visible."""
     if tidx == 0:
         val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
         while val != expected:
             val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    cute.arch.barrier()
+    _sync(barrier_id, num_threads)
 
 
 @cute.jit
-def semaphore_signal(ptr: cute.Pointer, value: Int32, tidx: Int32):
+def semaphore_signal(ptr: cute.Pointer, value: Int32, tidx: Int32, barrier_id: cutlass.Constexpr[int] = 0,
+                     num_threads: cutlass.Constexpr[int] = 0):
     """Publish ``value`` after every thread's reductions: each thread fences at gpu scope (its
-    red.adds are ordered before the flag), the barrier collects the CTA, one thread releases."""
+    red.adds are ordered before the flag), the barrier collects them, one thread releases."""
     cute.arch.fence_acq_rel_gpu()
-    cute.arch.barrier()
+    _sync(barrier_id, num_threads)
     if tidx == 0:
         cute.arch.store(ptr, value, sem="release", scope="gpu")
 
