@@ -12,6 +12,7 @@ stored in that MMA's fragment order), so the pre/post configs are derived from t
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import cutlass
@@ -311,6 +312,30 @@ def _max_seqlen(cu: torch.Tensor, given: int | None) -> int:
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
+BWD_KERNEL_ENV = "CUTE_FLASH_BWD_KERNEL"
+
+
+def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> str:
+    """``sm80`` or ``sm90``: the backward kernels to launch. ``CUTE_FLASH_BWD_KERNEL`` (read at each
+    call): ``auto`` (default) and ``sm80`` take the FA2 backward on every GPU -- the FA3 backward
+    (``cute_flash.hopper.bwd``) is work in progress, not yet checked on a GPU; ``sm90`` forces it,
+    raising ``ValueError`` where it does not apply (a GPU that is not Hopper, head dims other than
+    64 / 128, d_v != d, softcap)."""
+    choice = os.environ.get(BWD_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "sm80", "sm90"):
+        raise ValueError(f"{BWD_KERNEL_ENV} must be one of auto, sm80, sm90, got {choice!r}")
+    if choice != "sm90":
+        return "sm80"
+    from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
+
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9 or hdim not in SM90_BWD_HDIMS or hdim_v != hdim or softcap > 0.0:
+        raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward (work in progress) needs a Hopper GPU, "
+                         f"head dim 64 or 128 with d_v = d and no softcap (got sm{major}x, d={hdim}, "
+                         f"d_v={hdim_v}, softcap={softcap})")
+    return "sm90"
+
+
 def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
             causal: bool, window_size: tuple[int, int], softcap: float, deterministic: bool,
@@ -338,6 +363,13 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dq.zero_()
         dk.zero_()
         dv.zero_()
+        return
+    if bwd_family(q.device, q.shape[-1], v.shape[-1], softcap) == "sm90":
+        from cute_flash.bwd_sm90 import run_bwd_sm90
+
+        run_bwd_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk, deterministic=deterministic)
         return
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg, (pre, main, post) = _compiled(jit.resolve_arch(q.device), dtype, q.shape[-1], v.shape[-1], causal,

@@ -158,3 +158,39 @@ def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile(monkeypatch):
     q_t = SimpleNamespace(shape=(2, 4, 32, 128), device=dev, stride=lambda: (16384, 128, 512, 1))
     v = SimpleNamespace(shape=(2, 4096, 4, 128), device=dev)
     assert "pack_gqa" not in FwdSm90Config.launch_fields(q_t, v, causal=False, local=False, varlen=False)
+
+
+def test_backward_family_is_sm80_unless_the_sm90_backward_is_asked_for(monkeypatch):
+    """The FA3 backward is work in progress: ``auto`` keeps the FA2 backward; ``sm90`` forces it
+    and refuses what it does not cover; anything else is a clear error."""
+    from cute_flash import bwd
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    dev = torch.device("cpu")
+    monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
+    assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm80"
+    monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "sm90")
+    assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm90" and bwd.bwd_family(dev, 64, 64, 0.0) == "sm90"
+    for args in ((96, 96, 0.0), (128, 64, 0.0), (128, 128, 30.0)):
+        with pytest.raises(ValueError):
+            bwd.bwd_family(dev, *args)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError):
+        bwd.bwd_family(dev, 128, 128, 0.0)
+    monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "fa3")
+    with pytest.raises(ValueError):
+        bwd.bwd_family(dev, 128, 128, 0.0)
+
+
+def test_run_bwd_launches_the_sm90_backward_when_forced(monkeypatch):
+    from cute_flash import bwd, bwd_sm90
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "sm90")
+    seen = []
+    monkeypatch.setattr(bwd_sm90, "run_bwd_sm90", lambda *a, **kw: seen.append(kw))
+    q, k, v, o, do = (torch.randn(2, 70, 4, 128, dtype=BF16) for _ in range(5))
+    lse = torch.randn(2, 4, 70)
+    bwd.run_bwd(do, q, k, v, o, lse, *(torch.empty_like(t) for t in (q, k, v)), softmax_scale=0.1,
+                causal=True, window_size=(-1, 0), softcap=0.0, deterministic=True)
+    assert len(seen) == 1 and seen[0]["causal"] and seen[0]["deterministic"]
