@@ -100,20 +100,17 @@ class FlashBwdSm90:
             self.mma_dq = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d))
 
+    def smem_layouts(self) -> dict:
+        """The shared-memory tiles, by name (the storage struct and the kernel's views follow it)."""
+        return {"sK": self.sK_layout, "sV": self.sV_layout, "sQ": self.sQ_layout, "sdO": self.sdO_layout,
+                "sdS": self.sdS_layout}
+
     def _storage(self):
-        stages = self.num_stages
-
-        @cute.struct
-        class Storage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024]
-
-        return Storage
+        fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+                  "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
+        for name, layout in self.smem_layouts().items():
+            fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -176,12 +173,8 @@ class FlashBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        smem = common.Ctx(
-            sQ=storage.sQ.get_tensor(self.sQ_layout.outer, swizzle=self.sQ_layout.inner),
-            sdO=storage.sdO.get_tensor(self.sdO_layout.outer, swizzle=self.sdO_layout.inner),
-            sK=storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner),
-            sV=storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner),
-            sdS=storage.sdS.get_tensor(self.sdS_layout.outer, swizzle=self.sdS_layout.inner))
+        smem = common.Ctx(**{name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+                             for name, layout in self.smem_layouts().items()})
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
