@@ -255,6 +255,28 @@ class FlashBwdSm90:
         softmax_scale, score_scale, scale_log2 = scales
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
+        ctx = self.consumer_ctx(smem, tidx)
+        ctx.tidx, ctx.seqlen, ctx.batch = tidx, seqlen, work.batch
+        ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
+        ctx.score_scale, ctx.scale_log2 = score_scale, scale_log2
+        ctx.window_left, ctx.window_right = window_left, window_right
+        ctx.mLSE2, ctx.mD, ctx.mdQaccum, ctx.mSemaphore = mLSE2, mD, mdQaccum, work.mSemaphore
+        ctx.prev_min, ctx.prev_max = work.prev_min, work.prev_max
+        ctx.acc_dK.fill(0.0)
+        ctx.acc_dV.fill(0.0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        num_m = work.m_block_max - work.m_block_min
+        for it in cutlass.range(work.group * num_m, unroll=1):
+            g = it // num_m
+            self.one_m_block(ctx, pipe_qdo, state, work.head_kv * work.group + g,
+                             work.m_block_min + it - g * num_m)
+            state.advance()
+        self.epilogue(ctx, mdK, mdV, softmax_scale)
+
+    def consumer_ctx(self, smem, tidx):
+        """This kernel's MMA partitions, operand fragments and dK / dV accumulators."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = self.mma_sdp.get_slice(tidx)
         thr_dkv = self.mma_dkv.get_slice(tidx)
@@ -262,8 +284,8 @@ class FlashBwdSm90:
         # Operand descriptors from warp-uniform slices (uniform registers, see the forward).
         wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg * 128) for m in (self.mma_sdp, self.mma_dkv, self.mma_dq))
         sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
-        ctx = common.Ctx(
-            tidx=tidx, thr_sdp=thr_sdp, thr_dq=thr_dq,
+        return common.Ctx(
+            thr_sdp=thr_sdp, thr_dq=thr_dq, thr_dkv=thr_dkv,
             tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK)),
             tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ)),
             tdPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV)),
@@ -277,23 +299,7 @@ class FlashBwdSm90:
             acc_dK=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             # (key, query) of each S^T element of this thread, within the tile.
-            tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))),
-            seqlen=seqlen, n_block=work.n_block, head_kv=work.head_kv, batch=work.batch,
-            score_scale=score_scale, scale_log2=scale_log2, window_left=window_left,
-            window_right=window_right, mLSE2=mLSE2, mD=mD, mdQaccum=mdQaccum, mSemaphore=work.mSemaphore,
-            prev_min=work.prev_min, prev_max=work.prev_max)
-        ctx.acc_dK.fill(0.0)
-        ctx.acc_dV.fill(0.0)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_m = work.m_block_max - work.m_block_min
-        for it in cutlass.range(work.group * num_m, unroll=1):
-            g = it // num_m
-            self.one_m_block(ctx, pipe_qdo, state, work.head_kv * work.group + g,
-                             work.m_block_min + it - g * num_m)
-            state.advance()
-        self.epilogue(ctx, mdK, mdV, softmax_scale)
+            tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))))
 
     @cute.jit
     def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
@@ -416,8 +422,7 @@ class FlashBwdSm90:
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit, straight from registers to the
         rows of this K/V block that exist."""
-        coords = self.mma_dkv.get_slice(ctx.tidx).partition_C(cute.make_identity_tensor((self.tile_n,
-                                                                                           self.hdim)))
+        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
             gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
