@@ -16,14 +16,16 @@ from cute_flash import jit
 from cute_flash.bwd import BwdPreConfig, _max_seqlen, alloc_scratch, bwd_main_fake_args, bwd_post_fake_args
 from cute_flash.fwd import normalize_window
 
-# Scope of the main kernel so far (see its docstring): head dims 64 and 128 (= d_v), dense inputs
+# Scope of the main kernels so far (see their docstrings): head dims 64, 128 and 256 (= d_v)
 # (GQA, causal, windows, varlen and deterministic mode included). Softcap is written but spills ~30
 # registers (its 1 - tanh^2 factor on top of dK, dV, S^T, dP^T), so it is refused until the tile
 # is reorganised (e.g. a 32-query block with the dQ GEMM swapped).
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
 # over the warpgroups by rows; d=128 takes 64 and splits dQ by columns (64 each). Either way each
 # consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys x d.
-SM90_BWD_TILE_M = {64: 128, 128: 64}
+SM90_BWD_TILE_M = {64: 128, 128: 64, 256: 64}
+# d=256 takes 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``).
+SM90_BWD_TILE_N = {64: 128, 128: 128, 256: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 
 
@@ -40,7 +42,7 @@ class BwdSm90Config(jit.KernelConfig):
     varlen: bool = False
     deterministic: bool = False
     tile_m: int = 0
-    tile_n: int = 128
+    tile_n: int = 0
     stages: int = 2
 
     kernel_name = "bwd_sm90"
@@ -50,13 +52,19 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
         if not self.tile_m:
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
+        if not self.tile_n:
+            object.__setattr__(self, "tile_n", SM90_BWD_TILE_N[self.hdim])
         if self.softcap:
             raise ValueError("sm90 backward (work in progress): softcap not supported yet")
-        if self.tile_n != 128 or self.tile_m not in (64, 128) or self.stages < 1:
-            raise ValueError("sm90 backward: tile_n = 128 (two warpgroups of 64 keys), tile_m a multiple "
-                             "of 64")
+        if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:
+            raise ValueError(f"sm90 backward: tile_n = {SM90_BWD_TILE_N[self.hdim]} at head dim {self.hdim} "
+                             "(the warpgroups' key / head-dim split), tile_m 64 or 128")
 
     def build(self):
+        if self.hdim > 128:
+            from cute_flash.hopper.bwd_wide import FlashBwdSm90Wide
+
+            return FlashBwdSm90Wide(self)
         from cute_flash.hopper.bwd import FlashBwdSm90
 
         return FlashBwdSm90(self)

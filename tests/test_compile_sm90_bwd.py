@@ -16,11 +16,11 @@ from cute_flash.bwd_sm90 import BwdSm90Config
 
 VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype=dtype, hdim=d, causal=mode == "causal", local=mode == "local")
-    for dtype in ("bf16", "fp16") for d in (64, 128) for mode in ("plain", "causal", "local")
+    for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mode in ("plain", "causal", "local")
 ] + [
     # Packed (varlen) inputs.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
-    for d in (64, 128) for c in (False, True)
+    for d in (64, 128, 256) for c in (False, True)
 ] + [
     # Deterministic dQ (ordered accumulation through semaphores).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
@@ -47,7 +47,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
     assert _count(ptx, "ld.local") == 0 and _count(ptx, "st.local") == 0
     # Five GEMMs per query block: S^T, dP^T, dQ as SS; dV, dK with A from registers.
     rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(bf16|f16)\.(bf16|f16)\s+\{[^}]*\},\s*\{"
-    assert re.search(rs, ptx), "no register-A (RS) wgmma for dK / dV"
+    if cfg.hdim <= 128:  # d=256 reads P and dS from smem (its dK^T / dV^T GEMMs take them as B)
+        assert re.search(rs, ptx), "no register-A (RS) wgmma for dK / dV"
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump: cubin resource usage not checked")
     with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as tmp:
@@ -60,7 +61,7 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
     # per warpgroup): 6-9. ptxas keeps loop-invariant values on the stack (refilled once per query
     # block) -- tolerated while the kernel is work in progress (FA3 stages LSE / D in smem and
     # shuffles them to save these registers), bounded so a real regression still fails.
-    clean = cfg.hdim == 128 and not (cfg.causal or cfg.local or cfg.varlen)
+    clean = cfg.hdim == 256 or (cfg.hdim == 128 and not (cfg.causal or cfg.local or cfg.varlen))
     if cfg.deterministic:  # the semaphore spin and flag stores
         assert _count(ptx, "ld.acquire") + _count(ptx, "ld.global.acquire") > 0 and "st.release" in ptx
     for fn, res in usage.items():
@@ -72,8 +73,9 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert spills <= bound, f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=64 (128 query rows)
-        # 4, 4, 8, 8, 8.
-        assert hgmma == 32, f"{hgmma} HGMMA"
+        # 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16, dP 16, dV^T 8, dK^T 8,
+        # dQ 4.
+        assert hgmma == (52 if cfg.hdim == 256 else 32), f"{hgmma} HGMMA"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and "REDG" in sass
 
@@ -88,6 +90,8 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=96)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", tile_n=64)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=192)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", softcap=True)
 
@@ -110,7 +114,8 @@ GPU_CASES = [
     (2, 500, 700, 2, 2, False, (96, 32)),  # sliding window
 ]
 # d=64 (128 query rows per block, dQ split by rows) on a few of them.
-GPU_CASES = [(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7)]
+GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7)]
+             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7)])
 
 
 @pytest.mark.gpu
@@ -164,7 +169,7 @@ def test_inspect_reports_the_sm90_backward_family() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True)])
 def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bool) -> None:
     import math
 

@@ -1,0 +1,161 @@
+"""FA3-style backward for wide heads (d = 256) on Hopper: WORK IN PROGRESS, compile-checked on the
+CPU only, not run on a GPU, not dispatched.
+
+dK and dV of 64 keys x 256 would need 256 fp32 registers per consumer thread in the swapped form of
+``bwd.FlashBwdSm90``. Here the head dim sits on wgmma's M instead (FA3's "dKV swapAB"): the CTA owns
+``tile_n`` = 64 keys, dK^T and dV^T (256 x 64) are split over the two consumer warpgroups by rows
+of the head dim (64 registers each per thread), and S, dP keep the queries on M:
+
+    S  = Q K^T, dP = dO V^T   (SS; M = 64 queries, the keys split over the warpgroups)
+    P  = exp2(S c - LSE2), dS = P (dP - D)      (per query row: 2 LSE2 / D values per thread)
+    P, dS -> smem (both halves are needed by every warpgroup below)
+    dV^T += dO^T P            dK^T += Q^T dS     (SS, both operands MN-major views of smem)
+    dQ    = dS K              (SS, head dim split over the warpgroups), red.add into fp32
+
+Producer, pipelines, GQA / varlen / window / deterministic handling and the dQ accumulation are
+the narrow kernel's (this class derives from it).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from cute_flash.ampere import common
+from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90
+from cute_flash.hopper.fwd import wg_gemm
+from cute_flash.kernels import bwd_math
+from cute_flash.kernels.layout import acc_to_mn, transpose_smem
+
+
+class FlashBwdSm90Wide(FlashBwdSm90):
+    def _setup(self) -> None:
+        d, tm, tn = self.hdim, self.tile_m, self.tile_n
+        self.sQ_layout = self._smem(tm, d, self.num_stages)
+        self.sdO_layout = self._smem(tm, d, self.num_stages)
+        self.sK_layout = self._smem(tn, d, None)
+        self.sV_layout = self._smem(tn, d, None)
+        self.sP_layout = self._smem(tm, tn, None)
+        self.sdS_layout = self._smem(tm, tn, None)
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S, dP: M = the query block, N = keys (tile_n / 2 per warpgroup), K = head dim.
+        self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, tn // 2))
+        # dV^T, dK^T: M = head dim (64-row slices alternating over the warpgroups), N = keys,
+        # K = the query block; A = dO^T / Q^T, B = P^T / dS^T, all MN-major views of smem.
+        self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tn))
+        # dQ: M = the query block, N = head dim (half per warpgroup), K = keys.
+        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
+
+    def smem_layouts(self) -> dict:
+        return {**super().smem_layouts(), "sP": self.sP_layout}
+
+    def consumer_ctx(self, smem, tidx):
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_sdp = self.mma_sdp.get_slice(tidx)
+        thr_dkv = self.mma_dkv.get_slice(tidx)
+        thr_dq = self.mma_dq.get_slice(tidx)
+        wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg * 128) for m in (self.mma_sdp, self.mma_dkv, self.mma_dq))
+        sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
+        shape_dkv = thr_dkv.partition_shape_C((self.hdim, self.tile_n))
+        return common.Ctx(
+            thr_sdp=thr_sdp, thr_dq=thr_dq, thr_dkv=thr_dkv,
+            tSrQ=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sQ)),
+            tSrK=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sK)),
+            tdPrdO=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sdO)),
+            tdPrV=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sV)),
+            tdVrdOt=wg_dkv.make_fragment_A(wg_dkv.partition_A(sdOt)),
+            tdVrPt=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(smem.sP))),
+            tdKrQt=wg_dkv.make_fragment_A(wg_dkv.partition_A(sQt)),
+            tdKrdSt=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(smem.sdS))),
+            tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
+            tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
+            tSsP=thr_sdp.partition_C(smem.sP), tSsdS=thr_sdp.partition_C(smem.sdS),
+            acc_dK=cute.make_rmem_tensor(shape_dkv, Float32),
+            acc_dV=cute.make_rmem_tensor(shape_dkv, Float32),
+            # (query, key) of each S element of this thread, within the tile.
+            tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))))
+
+    @cute.jit
+    def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
+        acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+        s = state.index
+        wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
+        wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
+        gLSE2 = bwd_math.scratch_rows(ctx.mLSE2, ctx.seqlen, head, ctx.batch, self.tile_m)
+        gD = bwd_math.scratch_rows(ctx.mD, ctx.seqlen, head, ctx.batch, self.tile_m)
+        self.probs_rows(ctx, acc_S, gLSE2, m_block)
+        warpgroup.wait_group(0)
+        self.dscores_rows(ctx, acc_S, acc_dP, gD, m_block)
+        # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
+        # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            ctx.tSsP[i] = acc_S[i].to(self.dtype)
+            ctx.tSsdS[i] = acc_dP[i].to(self.dtype)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
+        cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
+        wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, s], ctx.tdVrPt, zero_init=False,
+                wg_wait=-1)
+        wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
+                wg_wait=-1)
+        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
+        pipe_qdo.consumer_release(state)
+        self.store_dq(ctx, acc_dQ, head, m_block)
+
+    @cute.jit
+    def probs_rows(self, ctx, acc_S, gLSE2, m_block: Int32):
+        """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
+        queries here; same bounds as ``FlashBwdSm90.probs``)."""
+        acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
+        offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
+        key0 = ctx.n_block * self.tile_n
+        q0 = m_block * self.tile_m
+        right = Int32(0)
+        left = ctx.seqlen.seqlen_k
+        if cutlass.const_expr(self.is_local):
+            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
+            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
+        last_key = ctx.seqlen.seqlen_k - 1 - key0
+        hi = q0 + offset + right - key0
+        lo = q0 + offset - left - key0
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            lse2 = gLSE2[q0 + ctx.tScS[r, 0][0]]
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                query, key = ctx.tScS[r, c]
+                x = acc[r, c] * ctx.scale_log2 - lse2
+                ok = key <= last_key
+                if cutlass.const_expr(self.is_causal or self.is_local):
+                    ok = ok and key - query <= hi
+                if cutlass.const_expr(self.is_local):
+                    ok = ok and key - query >= lo
+                acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
+
+    @cute.jit
+    def dscores_rows(self, ctx, acc_S, acc_dP, gD, m_block: Int32):
+        """dS = P (dP - D[query]) into ``acc_dP``."""
+        p, dp = acc_to_mn(acc_S), acc_to_mn(acc_dP)
+        q0 = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+            dsum = gD[q0 + ctx.tScS[r, 0][0]]
+            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                dp[r, c] = p[r, c] * (dp[r, c] - dsum)
+
+    @cute.jit
+    def epilogue(self, ctx, mdK, mdV, softmax_scale):
+        """dK^T (scaled) and dV^T back to (key, head dim) rows, 16 bit, straight from registers."""
+        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
+        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
+        for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
+            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
+                                 (ctx.n_block, 0))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                col, row = coords[i]
+                if row < rows_left:
+                    gT[row, col] = (acc[i] * scale).to(self.dtype)
