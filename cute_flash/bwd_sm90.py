@@ -23,8 +23,10 @@ from cute_flash.fwd import normalize_window
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
 # over the warpgroups by rows; d=128 takes 64 and splits dQ by columns (64 each). Either way each
 # consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys x d.
+# d = 256 takes 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``). d = 96 and
+# 192 compile with these tiles (their dQ / dK^T halves need narrower swizzle atoms), but ptxas then
+# serialises every wgmma (a wait after each) and spills ~33 registers, so they are left out.
 SM90_BWD_TILE_M = {64: 128, 128: 64, 256: 64}
-# d=256 takes 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``).
 SM90_BWD_TILE_N = {64: 128, 128: 128, 256: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 

@@ -67,11 +67,13 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------------
     # Layouts and MMAs
     # ------------------------------------------------------------------------------------------
-    def _smem(self, rows: int, cols: int, stages: int | None):
+    def _smem(self, rows: int, cols: int, stages: int | None, atom_cols: int | None = None):
         """K-major wgmma-canonical swizzled tile (read K-major, or MN-major through a transposed
-        view, by the different GEMMs)."""
+        view, by the different GEMMs). ``atom_cols``: the column count the swizzle atom must divide
+        -- a GEMM that splits the columns over the warpgroups reads each half as its own MN-major
+        operand, so the atom may not straddle the halves (e.g. 48 of d=96: a 32-byte swizzle)."""
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, atom_cols or cols), self.dtype)
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
@@ -80,7 +82,8 @@ class FlashBwdSm90:
         d, tm, tn = self.hdim, self.tile_m, self.tile_n
         self.sQ_layout = self._smem(tm, d, self.num_stages)
         self.sdO_layout = self._smem(tm, d, self.num_stages)
-        self.sK_layout = self._smem(tn, d, None)
+        # With 64 query rows the dQ GEMM splits the head dim over the warpgroups (K^T halves).
+        self.sK_layout = self._smem(tn, d, None, atom_cols=d // 2 if tm == 64 else d)
         self.sV_layout = self._smem(tn, d, None)
         self.sdS_layout = self._smem(tm, tn, None)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN

@@ -34,10 +34,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         d, tm, tn = self.hdim, self.tile_m, self.tile_n
         self.sQ_layout = self._smem(tm, d, self.num_stages)
         self.sdO_layout = self._smem(tm, d, self.num_stages)
-        self.sK_layout = self._smem(tn, d, None)
+        # dK^T / dV^T split over the warpgroups by head-dim rows where d is a multiple of 128 (two
+        # 64-row slices each), else by keys (d = 192: every warpgroup all 192 rows, half the keys,
+        # reading its key half of P^T / dS^T as its own MN-major operand).
+        self.dkv_by_keys = d % 128 != 0
+        kv_half = tn // 2 if self.dkv_by_keys else tn
+        self.sK_layout = self._smem(tn, d, None, atom_cols=d // 2)
         self.sV_layout = self._smem(tn, d, None)
-        self.sP_layout = self._smem(tm, tn, None)
-        self.sdS_layout = self._smem(tm, tn, None)
+        self.sP_layout = self._smem(tm, tn, None, atom_cols=kv_half)
+        self.sdS_layout = self._smem(tm, tn, None, atom_cols=kv_half)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S, dP: M = the query block, N = keys (tile_n / 2 per warpgroup), K = head dim.
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
@@ -45,7 +50,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         # dV^T, dK^T: M = head dim (64-row slices alternating over the warpgroups), N = keys,
         # K = the query block; A = dO^T / Q^T, B = P^T / dS^T, all MN-major views of smem.
         self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tn))
+            self.dtype, self.dtype, MN, MN, Float32,
+            atom_layout_mnk=(1, 2, 1) if self.dkv_by_keys else (2, 1, 1), tiler_mn=(64, kv_half))
         # dQ: M = the query block, N = head dim (half per warpgroup), K = keys.
         self.mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
