@@ -259,6 +259,7 @@ class FlashBwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         ctx = self.consumer_ctx(smem, tidx)
+        ctx.smem = smem
         ctx.tidx, ctx.seqlen, ctx.batch = tidx, seqlen, work.batch
         ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
         ctx.score_scale, ctx.scale_log2 = score_scale, scale_log2
@@ -423,17 +424,31 @@ class FlashBwdSm90:
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
-        """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit, straight from registers to the
-        rows of this K/V block that exist."""
+        """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
+        free now) -> 16-byte row stores of the rows of this K/V block that exist."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
+        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, transposed=False)
+
+    @cute.jit
+    def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords, transposed: cutlass.Constexpr[bool]):
+        """Write the dK / dV accumulators (element i at ``coords[i]``: (key, col), or (col, key)
+        when ``transposed``) into sK / sV, then store whole rows."""
+        # Every consumer warpgroup is done with K and V (its last GEMMs were waited for).
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        for sT, acc, scale in ((sK, ctx.acc_dK, softmax_scale), (sV, ctx.acc_dV, Float32(1.0))):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                a, b = coords[i]
+                if cutlass.const_expr(transposed):
+                    sT[b, a] = (acc[i] * scale).to(self.dtype)
+                else:
+                    sT[a, b] = (acc[i] * scale).to(self.dtype)
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
+        copy = common.r2g_tiled_copy(self.dtype, self.hdim, self.num_mma_threads)
+        for mT, sT in ((mdK, sK), (mdV, sV)):
             gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
                                  (ctx.n_block, 0))
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                row, col = coords[i]
-                if row < rows_left:
-                    gT[row, col] = (acc[i] * scale).to(self.dtype)
+            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, self.hdim, rows_left)
 
 
 class FlashBwdPostSm90:

@@ -155,13 +155,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
-        """dK^T (scaled) and dV^T back to (key, head dim) rows, 16 bit, straight from registers."""
+        """dK^T (scaled) and dV^T back to (key, head dim) rows through K's and V's smem buffers."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
-        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, acc, scale in ((mdK, ctx.acc_dK, softmax_scale), (mdV, ctx.acc_dV, Float32(1.0))):
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
-                                 (ctx.n_block, 0))
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                col, row = coords[i]
-                if row < rows_left:
-                    gT[row, col] = (acc[i] * scale).to(self.dtype)
+        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, transposed=True)
