@@ -41,6 +41,8 @@ def _id(cfg: BwdSm90Config) -> str:
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
 def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> None:
     ptx, cubin = jit.compile_artifacts(cfg)
+    # TMA for Q, dO, K, V; plain bulk copies for the LSE2 / D rows of each query block.
+    assert "cp.async.bulk.shared::cluster.global.mbarrier" in ptx
     for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg.inc",
                "setmaxnreg.dec", "red.", "ex2.approx"):
         assert _count(ptx, op) > 0, f"no {op} in the PTX"
@@ -57,22 +59,16 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             f.write(cubin)
         usage = ins.resource_usage(path)
         sass = ins.disassemble(path) or ""
-    # d=128 unmasked and d=256: no spills. Masked / varlen / deterministic d=128: 1-2 spill stores;
-    # d=64 (S^T, dP^T of 64 x 128
-    # per warpgroup): 6-9. ptxas keeps loop-invariant values on the stack (refilled once per query
-    # block) -- tolerated while the kernel is work in progress (FA3 stages LSE / D in smem and
-    # shuffles them to save these registers), bounded so a real regression still fails.
-    clean = cfg.hdim == 256 or (cfg.hdim == 128 and not (cfg.causal or cfg.local or cfg.varlen
-                                                          or cfg.deterministic))
-    if cfg.deterministic:  # the semaphore spin and flag stores
-        assert _count(ptx, "ld.acquire") + _count(ptx, "ld.global.acquire") > 0 and "st.release" in ptx
+    # No spills, except varlen and the d=128 sliding window (up to 3 spill stores at this register
+    # budget: dK, dV, S^T, dP^T are 192 of the 240) -- tolerated while the kernel is work in
+    # progress, bounded so a real regression still fails.
+    clean = not (cfg.varlen or (cfg.hdim == 128 and cfg.local))
     for fn, res in usage.items():
         if clean:
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
     if sass:
         spills = len(re.findall(r"\bSTL\b", sass))
-        bound = 0 if clean else 4 if cfg.hdim == 128 else 12
-        assert spills <= bound, f"{spills} spill stores"
+        assert spills <= (0 if clean else 4), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=64 (128 query rows)
         # 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16, dP 16, dV^T 8, dK^T 8,

@@ -62,7 +62,8 @@ class FlashBwdSm90:
         self.num_threads = 384
         elem = self.dtype.width // 8
         self.tx_kv = 2 * self.tile_n * self.hdim * elem
-        self.tx_qdo = 2 * self.tile_m * self.hdim * elem
+        # Q and dO of a query block plus its LSE2 and D rows (fp32), all on one mbarrier.
+        self.tx_qdo = 2 * self.tile_m * self.hdim * elem + 2 * self.tile_m * 4
 
     # ------------------------------------------------------------------------------------------
     # Layouts and MMAs
@@ -104,15 +105,23 @@ class FlashBwdSm90:
                 self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d))
 
     def smem_layouts(self) -> dict:
-        """The shared-memory tiles, by name (the storage struct and the kernel's views follow it)."""
+        """The shared-memory tiles, by name (the storage struct and the kernel's views follow it):
+        16-bit tiles, and the per-stage fp32 LSE2 / D rows of the query block (``fp32_layouts``)."""
         return {"sK": self.sK_layout, "sV": self.sV_layout, "sQ": self.sQ_layout, "sdO": self.sdO_layout,
                 "sdS": self.sdS_layout}
+
+    def fp32_layouts(self) -> dict:
+        rows = cute.make_layout((self.tile_m, self.num_stages))
+        return {"sLSE2": rows, "sDsum": rows}
 
     def _storage(self):
         fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
                   "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
         for name, layout in self.smem_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        for name, layout in self.fp32_layouts().items():
+            # 16-byte aligned: the destination of a bulk copy.
+            fields[name] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layout)], 128]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -177,7 +186,9 @@ class FlashBwdSm90:
         cute.arch.barrier()
 
         smem = common.Ctx(**{name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
-                             for name, layout in self.smem_layouts().items()})
+                             for name, layout in self.smem_layouts().items()},
+                          **{name: getattr(storage, name).get_tensor(layout)
+                             for name, layout in self.fp32_layouts().items()})
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
@@ -198,8 +209,8 @@ class FlashBwdSm90:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
-                    self.load(mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo, seqlen,
-                              work)
+                    self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
+                              pipe_qdo, seqlen, work)
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
@@ -209,7 +220,7 @@ class FlashBwdSm90:
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo,
+    def load(self, mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo,
              seqlen: SeqlenInfo, work):
         one = cute.make_layout(1)
         gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
@@ -228,12 +239,17 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(work.group, unroll=1):
             # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
-            state = self.load_head(mQ, mdO, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
+            state = self.load_head(mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
                                    work.head_kv * work.group + g, state)
 
     @cute.jit
-    def load_head(self, mQ, mdO, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head, state):
-        """Q and dO of every query block of one query head that sees this K/V block."""
+    def load_head(self, mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head,
+                  state):
+        """Q and dO (TMA) and the LSE2 and D rows (bulk copies) of every query block of one query
+        head that sees this K/V block, one pipeline stage per block."""
+        gLSE2 = bwd_math.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
+        gD = bwd_math.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
+        bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         one = cute.make_layout(1)
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
         gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim), (None, 0))
@@ -246,6 +262,11 @@ class FlashBwdSm90:
             bar = pipe_qdo.producer_get_barrier(state)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            with cute.arch.elect_one():
+                cute.copy(bulk, cute.local_tile(gLSE2, (self.tile_m,), (m_block,)),
+                          smem.sLSE2[None, state.index], mbar_ptr=bar)
+                cute.copy(bulk, cute.local_tile(gD, (self.tile_m,), (m_block,)),
+                          smem.sDsum[None, state.index], mbar_ptr=bar)
             state.advance()
         return state
 
@@ -313,11 +334,10 @@ class FlashBwdSm90:
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
-        gLSE2 = bwd_math.scratch_rows(ctx.mLSE2, ctx.seqlen, head, ctx.batch, self.tile_m)
-        gD = bwd_math.scratch_rows(ctx.mD, ctx.seqlen, head, ctx.batch, self.tile_m)
-        dtanh = self.probs(ctx, acc_S, gLSE2, m_block)
+        # This block's LSE2 / D rows came with its Q / dO (same stage).
+        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
         warpgroup.wait_group(0)
-        self.dscores(ctx, acc_S, acc_dP, dtanh, gD, m_block)
+        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s])
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         convert_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -340,11 +360,10 @@ class FlashBwdSm90:
         pipe_qdo.consumer_release(state)
         self.store_dq(ctx, acc_dQ, head, m_block)
 
-    # LSE2 and D are read from global memory (L2) column by column where they are used: holding
-    # them in registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are
-    # 192 of the 240). FA3 stages them in smem with the Q / dO loads -- the next step.
+    # LSE2 and D come through smem with the block's Q / dO and are read where used: holding them in
+    # registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are 192 of 240).
     @cute.jit
-    def probs(self, ctx, acc_S, gLSE2, m_block: Int32):
+    def probs(self, ctx, acc_S, sLSE2, m_block: Int32):
         """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
         the key-range / causal / window mask. Padding query rows have LSE2 = +inf (preprocess),
         so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
@@ -374,7 +393,7 @@ class FlashBwdSm90:
         hi = q0 + offset + right - key0
         lo = q0 + offset - left - key0
         for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            lse2 = gLSE2[q0 + ctx.tScS[0, c][1]]
+            lse2 = sLSE2[ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                 key, query = ctx.tScS[r, c]
                 x = acc[r, c] * ctx.scale_log2 - lse2
@@ -388,13 +407,12 @@ class FlashBwdSm90:
         return dtanh
 
     @cute.jit
-    def dscores(self, ctx, acc_S, acc_dP, dtanh, gD, m_block: Int32):
+    def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum):
         """dS^T = P^T * (dP^T - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
-        q0 = m_block * self.tile_m
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = gD[q0 + ctx.tScS[0, c][1]]
+            dsum = sDsum[ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         if cutlass.const_expr(self.has_softcap):

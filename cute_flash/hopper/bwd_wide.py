@@ -25,7 +25,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.ampere import common
 from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90
 from cute_flash.hopper.fwd import wg_gemm
-from cute_flash.kernels import bwd_math
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
@@ -93,11 +92,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
-        gLSE2 = bwd_math.scratch_rows(ctx.mLSE2, ctx.seqlen, head, ctx.batch, self.tile_m)
-        gD = bwd_math.scratch_rows(ctx.mD, ctx.seqlen, head, ctx.batch, self.tile_m)
-        self.probs_rows(ctx, acc_S, gLSE2, m_block)
+        self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
         warpgroup.wait_group(0)
-        self.dscores_rows(ctx, acc_S, acc_dP, gD, m_block)
+        self.dscores_rows(ctx, acc_S, acc_dP, ctx.smem.sDsum[None, s])
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
@@ -116,7 +113,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
-    def probs_rows(self, ctx, acc_S, gLSE2, m_block: Int32):
+    def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32):
         """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
         queries here; same bounds as ``FlashBwdSm90.probs``)."""
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
@@ -132,7 +129,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         hi = q0 + offset + right - key0
         lo = q0 + offset - left - key0
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            lse2 = gLSE2[q0 + ctx.tScS[r, 0][0]]
+            lse2 = sLSE2[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 query, key = ctx.tScS[r, c]
                 x = acc[r, c] * ctx.scale_log2 - lse2
@@ -144,12 +141,11 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
 
     @cute.jit
-    def dscores_rows(self, ctx, acc_S, acc_dP, gD, m_block: Int32):
+    def dscores_rows(self, ctx, acc_S, acc_dP, sDsum):
         """dS = P (dP - D[query]) into ``acc_dP``."""
         p, dp = acc_to_mn(acc_S), acc_to_mn(acc_dP)
-        q0 = m_block * self.tile_m
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-            dsum = gD[q0 + ctx.tScS[r, 0][0]]
+            dsum = sDsum[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
 
