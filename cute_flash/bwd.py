@@ -320,7 +320,7 @@ def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> 
     call): ``auto`` (default) and ``sm80`` take the FA2 backward on every GPU -- the FA3 backward
     (``cute_flash.hopper.bwd``) is work in progress, not yet checked on a GPU; ``sm90`` forces it,
     raising ``ValueError`` where it does not apply (a GPU that is not Hopper, head dims other than
-    64 / 128 / 256, d_v != d, softcap)."""
+    64 / 128 / 256, d_v != d, softcap at d != 128)."""
     choice = os.environ.get(BWD_KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "sm80", "sm90"):
         raise ValueError(f"{BWD_KERNEL_ENV} must be one of auto, sm80, sm90, got {choice!r}")
@@ -329,10 +329,10 @@ def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> 
     from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
 
     major, _ = torch.cuda.get_device_capability(device)
-    if major != 9 or hdim not in SM90_BWD_HDIMS or hdim_v != hdim or softcap > 0.0:
+    if major != 9 or hdim not in SM90_BWD_HDIMS or hdim_v != hdim or (softcap > 0.0 and hdim != 128):
         raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward (work in progress) needs a Hopper GPU, "
-                         f"a head dim in {SM90_BWD_HDIMS} with d_v = d and no softcap (got sm{major}x, "
-                         f"d={hdim}, d_v={hdim_v}, softcap={softcap})")
+                         f"a head dim in {SM90_BWD_HDIMS} with d_v = d, softcap at d = 128 only "
+                         f"(got sm{major}x, d={hdim}, d_v={hdim_v}, softcap={softcap})")
     return "sm90"
 
 

@@ -22,6 +22,9 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
     for d in (64, 128, 256) for c in (False, True)
 ] + [
+    # Softcap (d = 128): the 1 - tanh^2 factor of every score kept from S^T to dS^T.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, softcap=True) for c in (False, True)
+] + [
     # Deterministic dQ (ordered accumulation through semaphores).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
     for c, vl in ((False, False), (True, True))
@@ -34,8 +37,8 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    return (f"{cfg.dtype}-d{cfg.hdim}-{mode}" + ("-varlen" if cfg.varlen else "")
-            + ("-deterministic" if cfg.deterministic else ""))
+    flags = [f for f in ("softcap", "varlen", "deterministic") if getattr(cfg, f)]
+    return "-".join([cfg.dtype, f"d{cfg.hdim}", mode, *flags])
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -60,15 +63,15 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         usage = ins.resource_usage(path)
         sass = ins.disassemble(path) or ""
     # No spills, except varlen and the d=128 sliding window (up to 3 spill stores at this register
-    # budget: dK, dV, S^T, dP^T are 192 of the 240) -- tolerated while the kernel is work in
-    # progress, bounded so a real regression still fails.
-    clean = not (cfg.varlen or (cfg.hdim == 128 and cfg.local))
+    # budget: dK, dV, S^T, dP^T are 192 of the 240) and softcap (its 1 - tanh^2 factor: up to 9)
+    # -- tolerated while the kernel is work in progress, bounded so a real regression still fails.
+    clean = not (cfg.varlen or cfg.softcap or (cfg.hdim == 128 and cfg.local))
     for fn, res in usage.items():
         if clean:
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
     if sass:
         spills = len(re.findall(r"\bSTL\b", sass))
-        assert spills <= (0 if clean else 4), f"{spills} spill stores"
+        assert spills <= (0 if clean else 12 if cfg.softcap else 4), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=64 (128 query rows)
         # 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16, dP 16, dV^T 8, dK^T 8,
@@ -90,8 +93,9 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", tile_n=64)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=192)
-    with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", softcap=True)
+    for d in (64, 256):
+        with pytest.raises(ValueError):
+            BwdSm90Config(target="sm_90a", hdim=d, softcap=True)
 
 
 def _hopper() -> bool:
@@ -110,8 +114,10 @@ GPU_CASES = [
     (2, 400, 600, 8, 2, False, (-1, -1)),  # GQA: dK, dV summed over 4 query heads
     (1, 300, 300, 4, 1, True, (-1, -1)),  # MQA
     (2, 500, 700, 2, 2, False, (96, 32)),  # sliding window
+    (2, 300, 300, 4, 2, True, (-1, -1), 30.0),  # softcap
 ]
-# d=64 (128 query rows per block, dQ split by rows) on a few of them.
+# (..., softcap, d): softcap 0 unless given; d=64 and d=256 on a few of them (without softcap).
+GPU_CASES = [c if len(c) == 8 else (*c, 0.0) for c in GPU_CASES]
 GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7)]
              + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7)])
 
@@ -127,7 +133,7 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
     from cute_flash.bwd_sm90 import run_bwd_sm90
     from cute_flash.reference import attention_ref
 
-    B, Nq, Nk, H, Hkv, causal, window, d = case
+    B, Nq, Nk, H, Hkv, causal, window, softcap, d = case
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Nq, H, d, device=dev, dtype=dt)
@@ -135,7 +141,7 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
     v = torch.randn(B, Nk, Hkv, d, device=dev, dtype=dt)
     do = torch.randn(B, Nq, H, d, device=dev, dtype=dt)
     scale = 1.0 / math.sqrt(d)
-    kw = dict(softmax_scale=scale, causal=causal, window_size=window)
+    kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
     out, lse = attention_ref(q, k, v, **kw)
     out = out.to(dt)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]

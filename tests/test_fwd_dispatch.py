@@ -172,7 +172,8 @@ def test_backward_family_is_sm80_unless_the_sm90_backward_is_asked_for(monkeypat
     monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "sm90")
     assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm90" and bwd.bwd_family(dev, 64, 64, 0.0) == "sm90"
     assert bwd.bwd_family(dev, 256, 256, 0.0) == "sm90"
-    for args in ((96, 96, 0.0), (192, 192, 0.0), (128, 64, 0.0), (128, 128, 30.0)):
+    assert bwd.bwd_family(dev, 128, 128, 30.0) == "sm90"
+    for args in ((96, 96, 0.0), (192, 192, 0.0), (128, 64, 0.0), (64, 64, 30.0)):
         with pytest.raises(ValueError):
             bwd.bwd_family(dev, *args)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
