@@ -306,6 +306,16 @@ def alloc_scratch(q: torch.Tensor, tile_m: int, hdim: int, deterministic: bool, 
     return lse2, dsum, dq_acc, sem
 
 
+def problem_extents(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                    cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None,
+                    max_seqlen_k: int | None) -> tuple[int, int, int, int]:
+    """(batches, query rows of the tensors, longest query sequence, longest key sequence)."""
+    if cu_seqlens_q is not None:
+        return (cu_seqlens_q.shape[0] - 1, q.shape[0], _max_seqlen(cu_seqlens_q, max_seqlen_q),
+                _max_seqlen(cu_seqlens_k, max_seqlen_k))
+    return q.shape[0], q.shape[1], q.shape[1], k.shape[1]
+
+
 def _max_seqlen(cu: torch.Tensor, given: int | None) -> int:
     if given is not None:
         return int(given)
@@ -352,12 +362,7 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          f"q {q.shape[-1]} (the forward supports it)")
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
-    if varlen:
-        num_batch, rows_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
-        mq, mk = _max_seqlen(cu_seqlens_q, max_seqlen_q), _max_seqlen(cu_seqlens_k, max_seqlen_k)
-    else:
-        num_batch, rows_q = q.shape[0], q.shape[1]
-        mq, mk = q.shape[1], k.shape[1]
+    num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if num_batch == 0 or q.shape[-2] == 0 or mq == 0 or mk == 0:
         # Nothing to attend: every gradient is zero (and a zero-sized grid cannot launch).
         dq.zero_()

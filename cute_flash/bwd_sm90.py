@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from cute_flash import jit
-from cute_flash.bwd import BwdPreConfig, _max_seqlen, alloc_scratch, bwd_main_fake_args, bwd_post_fake_args
+from cute_flash.bwd import (
+    BwdPreConfig,
+    alloc_scratch,
+    bwd_main_fake_args,
+    bwd_post_fake_args,
+    problem_extents,
+)
 from cute_flash.fwd import normalize_window
 
 # Scope of the main kernels so far (see their docstrings): head dims 64, 128 and 256 (= d_v)
@@ -117,12 +123,7 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         raise ValueError("sm90 backward (work in progress): d_v = d_qk only")
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
-    if varlen:
-        num_batch, rows_q = cu_seqlens_q.shape[0] - 1, q.shape[0]
-        mq, mk = _max_seqlen(cu_seqlens_q, max_seqlen_q), _max_seqlen(cu_seqlens_k, max_seqlen_k)
-    else:
-        num_batch, rows_q = q.shape[0], q.shape[1]
-        mq, mk = q.shape[1], k.shape[1]
+    num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
                         softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)

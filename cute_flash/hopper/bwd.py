@@ -360,6 +360,23 @@ class FlashBwdSm90:
         pipe_qdo.consumer_release(state)
         self.store_dq(ctx, acc_dQ, head, m_block)
 
+    @cute.jit
+    def mask_bounds(self, ctx, m_block: Int32):
+        """(last_key, hi, lo) of query block ``m_block`` against this K/V block, in tile-local
+        indices (key k, query q): a score is kept iff k <= last_key and, for causal / windows,
+        lo <= k - q <= hi (row q sees keys q + offset - left .. q + offset + right, bottom-right
+        aligned; unbounded sides never bind). Scalars per block, so no per-column bound stays live
+        in registers."""
+        offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
+        key0 = ctx.n_block * self.tile_n
+        q0 = m_block * self.tile_m
+        right = Int32(0)
+        left = ctx.seqlen.seqlen_k
+        if cutlass.const_expr(self.is_local):
+            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
+            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
+        return ctx.seqlen.seqlen_k - 1 - key0, q0 + offset + right - key0, q0 + offset - left - key0
+
     # LSE2 and D come through smem with the block's Q / dO and are read where used: holding them in
     # registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are 192 of 240).
     @cute.jit
@@ -377,21 +394,7 @@ class FlashBwdSm90:
                 acc_S[i] = t
                 dtanh[i] = (Float32(1.0) - t * t).to(cutlass.Float16)
         acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
-        offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
-        key0 = ctx.n_block * self.tile_n
-        q0 = m_block * self.tile_m
-        # Window bounds relative to the query (bottom-right aligned); unbounded sides never bind.
-        right = Int32(0)
-        left = ctx.seqlen.seqlen_k
-        if cutlass.const_expr(self.is_local):
-            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
-            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
-        # In tile-local indices (key k, query q): k <= last_key, and the window
-        # q + offset - left <= k <= q + offset + right, i.e. lo <= k - q <= hi (scalars per block,
-        # so no per-column bound stays live in registers).
-        last_key = ctx.seqlen.seqlen_k - 1 - key0
-        hi = q0 + offset + right - key0
-        lo = q0 + offset - left - key0
+        last_key, hi, lo = self.mask_bounds(ctx, m_block)
         for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
             lse2 = sLSE2[ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):

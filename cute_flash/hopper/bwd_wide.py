@@ -117,17 +117,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
         queries here; same bounds as ``FlashBwdSm90.probs``)."""
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
-        offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
-        key0 = ctx.n_block * self.tile_n
-        q0 = m_block * self.tile_m
-        right = Int32(0)
-        left = ctx.seqlen.seqlen_k
-        if cutlass.const_expr(self.is_local):
-            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
-            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
-        last_key = ctx.seqlen.seqlen_k - 1 - key0
-        hi = q0 + offset + right - key0
-        lo = q0 + offset - left - key0
+        last_key, hi, lo = self.mask_bounds(ctx, m_block)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             lse2 = sLSE2[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
