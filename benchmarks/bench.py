@@ -5,6 +5,7 @@
     python benchmarks/bench.py --ablation [--out DIR]
 
 Providers: ``ours`` is the public API as it runs on this GPU (on Hopper: the sm90 FA3 forward);
+``ours-det`` (not in the default set) is ours with ``deterministic=True`` (bwd: ordered dQ adds).
 ``ours-sm80`` (not in the default set) forces our sm80 FA2 forward with ``CUTE_FLASH_FWD_KERNEL=sm80``
 around each forward call, for comparison on Hopper; its backward is our usual (sm80) backward.
 ``--ablation`` times only the sm90 forward at d=128, N=8192 with ping-pong and intra-warpgroup
@@ -52,8 +53,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, without installi
     sys.path.insert(0, str(REPO))
 
 PROVIDERS = ("ours", "sdpa-flash", "sdpa-cudnn", "fa4")  # the default set
-ALL_PROVIDERS = (*PROVIDERS, "ours-sm80")
-OURS = ("ours", "ours-sm80")
+ALL_PROVIDERS = (*PROVIDERS, "ours-sm80", "ours-det")
+OURS = ("ours", "ours-sm80", "ours-det")
 PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HDIMS = (64, 128, 256)
@@ -123,9 +124,17 @@ def _fa4() -> Fwd:
     return fwd
 
 
+def _ours_det() -> Fwd:
+    from cute_flash import flash_attn_func
+
+    # deterministic=True changes only the backward (ordered dQ accumulation).
+    return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal, deterministic=True)
+
+
 FACTORIES: dict[str, Callable[[], Fwd]] = {
     "ours": _ours,
     "ours-sm80": _ours_sm80,
+    "ours-det": _ours_det,
     "sdpa-flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa-cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "fa4": _fa4,
@@ -363,8 +372,8 @@ def plot(results: list[dict[str, Any]], providers: list[str], path: Path, title:
     hdims = sorted({r["hdim"] for r in results})
     dirs = [x for x in ("fwd", "bwd") if any(r["dir"] == x for r in results)]
     fig, axes = plt.subplots(len(dirs), len(hdims), figsize=(5 * len(hdims), 3.8 * len(dirs)), squeeze=False)
-    colors = dict(zip(ALL_PROVIDERS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"),
-                      strict=True))
+    palette = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown")
+    colors = dict(zip(ALL_PROVIDERS, palette, strict=True))
     for i, direction in enumerate(dirs):
         for j, d in enumerate(hdims):
             ax = axes[i][j]
