@@ -52,6 +52,10 @@ class BwdSm90Config(jit.KernelConfig):
     tile_m: int = 0
     tile_n: int = 0
     stages: int = 2
+    # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
+    # reduce-add from smem (narrow kernel; d = 256 has no smem left for the tile and, like
+    # deterministic mode, lets the consumers issue vector reductions).
+    dq_warp: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -62,6 +66,10 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
         if not self.tile_n:
             object.__setattr__(self, "tile_n", SM90_BWD_TILE_N[self.hdim])
+        if self.dq_warp is None:
+            object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
+        if self.dq_warp and (self.hdim > 128 or self.deterministic):
+            raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
         if self.softcap and self.hdim != 128:
             raise ValueError("sm90 backward (work in progress): softcap only at head dim 128 so far")
         if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:
@@ -115,9 +123,11 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
                  softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
                  cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                 max_seqlen_k: int | None = None, deterministic: bool = False) -> None:
+                 max_seqlen_k: int | None = None, deterministic: bool = False,
+                 overrides: dict | None = None) -> None:
     """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
-    ``bwd.run_bwd``; writes ``dq``, ``dk``, ``dv``. Not reached from the public API yet (the tests
+    ``bwd.run_bwd``; writes ``dq``, ``dk``, ``dv``. ``overrides``: BwdSm90Config fields (tuning
+    scripts). Not reached from the public API yet (the tests
     call it directly)."""
     if v.shape[-1] != q.shape[-1]:
         raise ValueError("sm90 backward (work in progress): d_v = d_qk only")
@@ -126,7 +136,8 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
-                        softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
+                        softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
+                        **(overrides or {}))
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)

@@ -48,6 +48,24 @@ BAR_DS_EMPTY = 1
 BAR_DS_FULL = 2
 # Deterministic mode: the consumer threads wait together for the previous K/V block's dQ adds.
 BAR_DQ_ORDER = 3
+# dQ writer warp (``dq_warp``): the consumers (256 threads) and the writer warp (32) hand the fp32
+# dQ tile in smem back and forth: EMPTY once the writer's bulk reduce-add has read it, FULL once
+# the consumers have written it.
+BAR_DQ_EMPTY = 4
+BAR_DQ_FULL = 5
+NUM_MMA_THREADS = 256
+
+
+def dq_tiled_mma(dtype, tile_m: int, hdim: int):
+    """dQ = dS K: M = the query block, N = head dim, K = keys; the two consumer warpgroups split it
+    by columns (64 query rows) or by rows (128). The postprocess reads the accumulator chunks in
+    this MMA's fragment order, so it builds the same one."""
+    K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    if tile_m == 64:
+        return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1),
+                                                 tiler_mn=(64, hdim // 2))
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1),
+                                             tiler_mn=(64, hdim))
 
 
 class FlashBwdSm90:
@@ -58,7 +76,8 @@ class FlashBwdSm90:
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
-        self.num_mma_threads = 256
+        self.dq_warp = cfg.dq_warp
+        self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
         self.tx_kv = 2 * self.tile_n * self.hdim * elem
@@ -95,14 +114,7 @@ class FlashBwdSm90:
         self.mma_dkv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d),
             a_source=warpgroup.OperandSource.RMEM)
-        # dQ: M = the query block, N = head dim, K = keys; the two warpgroups split it by columns
-        # (64 query rows) or by rows (128 query rows).
-        if tm == 64:
-            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
-        else:
-            self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, d))
+        self.mma_dq = dq_tiled_mma(self.dtype, tm, d)
 
     def smem_layouts(self) -> dict:
         """The shared-memory tiles, by name (the storage struct and the kernel's views follow it):
@@ -112,7 +124,10 @@ class FlashBwdSm90:
 
     def fp32_layouts(self) -> dict:
         rows = cute.make_layout((self.tile_m, self.num_stages))
-        return {"sLSE2": rows, "sDsum": rows}
+        out = {"sLSE2": rows, "sDsum": rows}
+        if cutlass.const_expr(self.dq_warp):
+            out["sdQ"] = cute.make_layout(self.tile_m * self.hdim)  # fragment order (bwd_math)
+        return out
 
     def _storage(self):
         fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
@@ -211,6 +226,9 @@ class FlashBwdSm90:
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
                               pipe_qdo, seqlen, work)
+                if cutlass.const_expr(self.dq_warp):
+                    if warp_idx == 1:
+                        self.dq_writer(mdQaccum, smem, seqlen, work)
             else:
                 cute.arch.setmaxregister_increase(240)
                 self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
@@ -423,8 +441,40 @@ class FlashBwdSm90:
                 acc_dP[i] = acc_dP[i] * dtanh[i].to(Float32)
 
     @cute.jit
+    def dq_writer(self, mdQaccum, smem, seqlen: SeqlenInfo, work):
+        """The dQ writer warp: for each query block the consumers finish (same order as theirs), one
+        bulk reduce-add of the fp32 smem tile into the accumulator chunk, performed at L2 by the
+        copy engine, so the consumer warps neither issue tile_m * d / 4 vector reductions nor wait
+        for them."""
+        lane = cute.arch.lane_idx()
+        num_m = work.m_block_max - work.m_block_min
+        total = work.group * num_m
+        nbytes = self.tile_m * self.hdim * 4
+        if total > 0:
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+        for it in cutlass.range(total, unroll=1):
+            g = it // num_m
+            head = work.head_kv * work.group + g
+            m_block = work.m_block_min + it - g * num_m
+            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
+            if lane == 0:
+                gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
+                                               self.hdim)
+                bwd_math.bulk_reduce_add_f32(gacc.iterator, smem.sdQ.iterator, nbytes)
+                cute.arch.cp_async_bulk_commit_group()
+                # The smem tile may be rewritten once the copy engine has read it.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if it + 1 < total:
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
     def store_dq(self, ctx, acc_dQ, head: Int32, m_block: Int32):
-        """Adds this block's dQ partial into the row-major fp32 accumulator chunk (at L2)."""
+        """Adds this block's dQ partial into its fp32 accumulator chunk (fragment order, see
+        ``bwd_math.frag_chunk_view``): through the writer warp (``dq_warp``), or with vector
+        reductions from the consumer threads."""
         gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                        self.hdim)
         sem = None
@@ -436,10 +486,17 @@ class FlashBwdSm90:
             sem = ctx.mSemaphore.iterator + cute.crd2idx(coord, ctx.mSemaphore.layout)
             if ctx.n_block > 0 and m_block >= ctx.prev_min and m_block < ctx.prev_max:
                 bwd_math.semaphore_wait(sem, ctx.n_block, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
-        coords = ctx.thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            row, col = coords[i]
-            bwd_math.red_add_f32(gacc.iterator + (row * self.hdim + col), acc_dQ[i])
+        if cutlass.const_expr(self.dq_warp):
+            # Hand the tile to the writer warp: wait until it has read the previous one out.
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+            view = bwd_math.frag_chunk_view(ctx.smem.sdQ, ctx.tidx, self.num_mma_threads)
+            for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
+                four = cute.make_tensor(acc_dQ.iterator + 4 * j, cute.make_layout(4))
+                cute.autovec_copy(four, view[None, j])
+            cute.arch.fence_view_async_shared()  # generic-proxy writes before the bulk copy reads them
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
+        else:
+            bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(self.deterministic):
             bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
 
@@ -473,8 +530,9 @@ class FlashBwdSm90:
 
 
 class FlashBwdPostSm90:
-    """dQ = softmax_scale * dQaccum in the input dtype, from the row-major accumulator chunks the
-    sm90 main kernel writes (one CTA per query block; 128 threads, one row slice each)."""
+    """dQ = softmax_scale * dQaccum in the input dtype, from the accumulator chunks the sm90 main
+    kernel writes in its dQ MMA's fragment order (one CTA per query block, 256 threads: thread t
+    reads the elements the main kernel's consumer thread t added, 16 bytes at a time)."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -489,8 +547,8 @@ class FlashBwdPostSm90:
         mdQ = common.to_seq_dim_head(mdQ)
         num_batch, seqlen_q = common.grid_rows(mdQ, mCuSeqlensQ, max_seqlen_q)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
-        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale).launch(grid=grid, block=[128, 1, 1],
-                                                                      stream=stream)
+        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale).launch(
+            grid=grid, block=[NUM_MMA_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
@@ -501,9 +559,13 @@ class FlashBwdPostSm90:
         gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
-        # Thread t converts elements t, t + 128, ...: coalesced fp32 reads, 2-byte writes.
-        for i in cutlass.range(self.tile_m * self.hdim // 128, unroll_full=True):
-            idx = i * 128 + tidx
-            row = idx // self.hdim
+        view = bwd_math.frag_chunk_view(gacc, tidx, NUM_MMA_THREADS)
+        acc = cute.make_rmem_tensor(cute.size(view), Float32)
+        for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
+            cute.autovec_copy(view[None, j], cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)))
+        coords = dq_tiled_mma(self.dtype, self.tile_m, self.hdim).get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.hdim)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, col = coords[i]
             if row < rows_left:
-                gdQ[row, idx - row * self.hdim] = (gacc[idx] * softmax_scale).to(self.dtype)
+                gdQ[row, col] = (acc[i] * softmax_scale).to(self.dtype)

@@ -114,6 +114,39 @@ def red_add_f32(ptr: cute.Pointer, val: Float32):
     cute.arch.red(ptr, val, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
 
+def frag_chunk_view(chunk: cute.Tensor, tidx: Int32, num_threads: int) -> cute.Tensor:
+    """Thread ``tidx``'s elements of a ``num_threads``-thread fp32 chunk in fragment order: element
+    i of every thread's accumulator at (i // 4) * 4 * num_threads + tidx * 4 + i % 4, returned as a
+    (4, n / 4) view whose flat index is i. Consecutive threads own consecutive 16-byte words, so a
+    warp's vector stores / reductions cover whole 128-byte lines and hit every smem bank once, and
+    the whole chunk is one contiguous range (a single bulk reduce-add)."""
+    n = cute.size(chunk) // num_threads
+    whole = cute.make_tensor(chunk.iterator, cute.make_layout(((4, num_threads), n // 4),
+                                                              stride=((1, 4), 4 * num_threads)))
+    return whole[(None, tidx), None]
+
+
+@cute.jit
+def red_add_frag(dst: cute.Tensor, acc: cute.Tensor):
+    """``red.global.add.v4.f32`` of a register fragment into its fragment-order view ``dst``
+    (``frag_chunk_view``): one L2 reduction per 4 values instead of 4."""
+    for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+        four = cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4))
+        cute.arch.red(dst[None, j].iterator, four.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
+
+
+def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, nbytes: int) -> None:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: the copy engine adds
+    ``nbytes`` of fp32 from smem into global memory (at L2); bracket with bulk commit / wait."""
+    from cutlass.experimental.primitives.nvvm_wrapper import (
+        CpReduceOp,
+        CpReduceType,
+        cp_reduce_async_bulk_global_shared_cta,
+    )
+
+    cp_reduce_async_bulk_global_shared_cta(dst, src, nbytes, op=CpReduceOp.ADD, type=CpReduceType.F32)
+
+
 def _sync(barrier_id: int, num_threads: int) -> None:
     # The whole CTA (``__syncthreads``), or the threads of a named barrier (warp-specialised
     # kernels, where only the consumer warps reduce dQ).

@@ -1,0 +1,105 @@
+"""sm90 backward variants on the GPU (developer tool): backward TFLOP/s (2.5x forward FLOPs) of
+each BwdSm90Config variant (pre + main + post, the launches autograd makes) beside flash-attn-4's
+and cuDNN's backward in the same run, passes rotated over the providers; dq of each variant checked
+against the default one (relative L2), so a broken variant is flagged rather than timed as right.
+
+    python scripts/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
+        [--variant "dq_warp=0" "deterministic=1" ...]
+"""
+
+import argparse
+import functools
+import math
+import statistics
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cute_flash.bwd_sm90 import run_bwd_sm90
+from cute_flash.fwd import run_fwd
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def peer_bwd(name, q, k, v, do, causal):
+    """A closure running one peer's backward alone (autograd.grad on a retained graph)."""
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        o = flash_attn_func(qq, kk, vv, causal=causal)
+        o = o[0] if isinstance(o, tuple) else o
+    else:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[8192])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'dq_warp=0'")
+    ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    variants = [{}] + [{k: int(x) for k, x in (kv.split("=") for kv in var.split(",") if kv)}
+                       for var in args.variant]
+    for d in args.hdim:
+        for n in args.seqlen:
+            for causal in map(bool, args.causal):
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                scale = d ** -0.5
+                out = torch.empty_like(q)
+                lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+                run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1),
+                        softcap=0.0)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                fns, ref = {}, None
+                for var in variants:
+                    name = ",".join(f"{a}={x}" for a, x in var.items()) or "default"
+                    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+                    det = bool(var.get("deterministic", 0))
+                    ov = {a: bool(x) for a, x in var.items() if a != "deterministic"}
+                    fn = functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads, softmax_scale=scale,
+                                           causal=causal, deterministic=det, overrides=ov)
+
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print(f"d{d} N{n} causal={int(causal)} {name}: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    if ref is None:
+                        ref = grads[0].float()
+                        rel = 0.0
+                    else:
+                        rel = ((grads[0].float() - ref).norm() / ref.norm()).item()
+                    if not math.isfinite(rel) or rel > 1e-2:
+                        print(f"d{d} N{n} causal={int(causal)} {name}: WRONG dq (rel L2 {rel:.2e})")
+                        continue
+                    fns[name] = fn
+                for peer in args.peers:
+                    try:
+                        fns[peer] = peer_bwd(peer, q, k, v, do, causal)
+                        fns[peer]()
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{peer}: {type(e).__name__}: {e}")
+                        fns.pop(peer, None)
+                times: dict[str, list[float]] = {x: [] for x in fns}
+                names = list(fns)
+                for r in range(args.rounds):
+                    for x in names[r % len(names):] + names[:r % len(names)]:
+                        times[x].append(bench(fns[x]))
+                line = " ".join(f"{x} {flops / statistics.median(t) / 1e9:.0f}" for x, t in times.items())
+                print(f"d{d} N{n} causal={int(causal)}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
