@@ -327,23 +327,26 @@ BWD_KERNEL_ENV = "CUTE_FLASH_BWD_KERNEL"
 
 def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> str:
     """``sm80`` or ``sm90``: the backward kernels to launch. ``CUTE_FLASH_BWD_KERNEL`` (read at each
-    call): ``auto`` (default) and ``sm80`` take the FA2 backward on every GPU -- the FA3 backward
-    (``cute_flash.hopper.bwd``) is work in progress, not yet checked on a GPU; ``sm90`` forces it,
-    raising ``ValueError`` where it does not apply (a GPU that is not Hopper, head dims other than
-    64 / 128 / 256, d_v != d, softcap at d != 128)."""
+    call): ``auto`` (default) takes the FA3 backward (``cute_flash.hopper.bwd``) on a Hopper GPU
+    where it covers the problem (head dims 64 / 128 / 256 with d_v = d; softcap at d = 128) and the
+    FA2 backward everywhere else; ``sm80`` forces the FA2 backward (any sm80+ GPU, e.g. for
+    comparisons); ``sm90`` forces the FA3 one, raising ``ValueError`` where it does not apply."""
     choice = os.environ.get(BWD_KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "sm80", "sm90"):
         raise ValueError(f"{BWD_KERNEL_ENV} must be one of auto, sm80, sm90, got {choice!r}")
-    if choice != "sm90":
+    if choice == "sm80":
         return "sm80"
     from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
 
     major, _ = torch.cuda.get_device_capability(device)
-    if major != 9 or hdim not in SM90_BWD_HDIMS or hdim_v != hdim or (softcap > 0.0 and hdim != 128):
-        raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward (work in progress) needs a Hopper GPU, "
-                         f"a head dim in {SM90_BWD_HDIMS} with d_v = d, softcap at d = 128 only "
+    covered = hdim in SM90_BWD_HDIMS and hdim_v == hdim and (softcap <= 0.0 or hdim == 128)
+    if major == 9 and covered:
+        return "sm90"
+    if choice == "sm90":
+        raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward needs a Hopper GPU, a head dim in "
+                         f"{SM90_BWD_HDIMS} with d_v = d, softcap at d = 128 only "
                          f"(got sm{major}x, d={hdim}, d_v={hdim_v}, softcap={softcap})")
-    return "sm90"
+    return "sm80"
 
 
 def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -351,7 +354,8 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             causal: bool, window_size: tuple[int, int], softcap: float, deterministic: bool,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> None:
-    """Launch the sm80 backward on validated CUDA tensors; writes ``dq``, ``dk``, ``dv`` in place.
+    """Launch the backward (sm90 or sm80 family, ``bwd_family``) on validated CUDA tensors; writes
+    ``dq``, ``dk``, ``dv`` in place.
 
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
     (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key.

@@ -1,9 +1,10 @@
 """Hopper (sm90a) backward: variant configs and a torch-side launcher for the FA3-style main kernel
-in ``cute_flash.hopper.bwd``. WORK IN PROGRESS (issue 4): compile-checked on the CPU, not yet run
-on a GPU, and not dispatched -- autograd runs the sm80 backward on every GPU.
+in ``cute_flash.hopper.bwd`` (autograd's backward on Hopper where it covers the problem, see
+``bwd.bwd_family``).
 
 The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch
-rows); the main kernel adds dQ row-major into the accumulator and ``FlashBwdPostSm90`` converts it.
+rows); the main kernel adds dQ into the accumulator in its MMA fragment order and
+``FlashBwdPostSm90`` converts it.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.hdim not in SM90_BWD_HDIMS:
-            raise ValueError(f"sm90 backward (work in progress): head dim {self.hdim} not supported yet")
+            raise ValueError(f"sm90 backward: head dim {self.hdim} not supported (64, 128, 256)")
         if not self.tile_m:
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
         if not self.tile_n:
@@ -71,7 +72,7 @@ class BwdSm90Config(jit.KernelConfig):
         if self.dq_warp and (self.hdim > 128 or self.deterministic):
             raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
         if self.softcap and self.hdim != 128:
-            raise ValueError("sm90 backward (work in progress): softcap only at head dim 128 so far")
+            raise ValueError("sm90 backward: softcap only at head dim 128")
         if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {SM90_BWD_TILE_N[self.hdim]} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64 or 128")
@@ -126,11 +127,11 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  max_seqlen_k: int | None = None, deterministic: bool = False,
                  overrides: dict | None = None) -> None:
     """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
-    ``bwd.run_bwd``; writes ``dq``, ``dk``, ``dv``. ``overrides``: BwdSm90Config fields (tuning
-    scripts). Not reached from the public API yet (the tests
+    ``bwd.run_bwd`` (which calls it on Hopper); writes ``dq``, ``dk``, ``dv``. ``overrides``:
+    BwdSm90Config fields (tuning scripts). Not reached from the public API yet (the tests
     call it directly)."""
     if v.shape[-1] != q.shape[-1]:
-        raise ValueError("sm90 backward (work in progress): d_v = d_qk only")
+        raise ValueError("sm90 backward: d_v = d_qk only")
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
     num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

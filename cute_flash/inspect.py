@@ -130,12 +130,11 @@ def _sm90_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
 
 
 def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """The FA3-style backward (work in progress, not dispatched yet): main kernel + postprocess
-    (the preprocess is the sm80 one)."""
+    """The FA3-style backward: main kernel + postprocess (the preprocess is the sm80 one)."""
     from cute_flash.bwd_sm90 import BwdSm90Config
 
     if variant.dv != variant.hdim:
-        raise ValueError("the sm90 backward (work in progress) covers d_v = d only")
+        raise ValueError("the sm90 backward covers d_v = d only")
     cfg = BwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
                         causal=variant.causal, local=variant.local, softcap=variant.softcap,
                         varlen=variant.varlen, deterministic=variant.deterministic)

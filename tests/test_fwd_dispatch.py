@@ -160,23 +160,35 @@ def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile(monkeypatch):
     assert "pack_gqa" not in FwdSm90Config.launch_fields(q_t, v, causal=False, local=False, varlen=False)
 
 
-def test_backward_family_is_sm80_unless_the_sm90_backward_is_asked_for(monkeypatch):
-    """The FA3 backward is work in progress: ``auto`` keeps the FA2 backward; ``sm90`` forces it
-    and refuses what it does not cover; anything else is a clear error."""
+def test_backward_family_is_sm90_on_hopper_where_it_covers_the_problem(monkeypatch):
+    """``auto``: the FA3 backward on Hopper for d = 64 / 128 / 256 (softcap at 128), FA2 elsewhere
+    and on other GPUs; ``sm80`` forces FA2; ``sm90`` forces FA3 and refuses what it does not
+    cover; anything else is a clear error."""
     from cute_flash import bwd
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     dev = torch.device("cpu")
+    uncovered = ((96, 96, 0.0), (192, 192, 0.0), (128, 64, 0.0), (64, 64, 30.0), (256, 256, 30.0))
+    for choice in (None, "auto", "sm90"):
+        if choice is None:
+            monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(bwd.BWD_KERNEL_ENV, choice)
+        for d in (64, 128, 256):
+            assert bwd.bwd_family(dev, d, d, 0.0) == "sm90"
+        assert bwd.bwd_family(dev, 128, 128, 30.0) == "sm90"
+        for args in uncovered:
+            if choice == "sm90":
+                with pytest.raises(ValueError):
+                    bwd.bwd_family(dev, *args)
+            else:
+                assert bwd.bwd_family(dev, *args) == "sm80"
+    monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "sm80")
+    assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm80"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
     assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm80"
     monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "sm90")
-    assert bwd.bwd_family(dev, 128, 128, 0.0) == "sm90" and bwd.bwd_family(dev, 64, 64, 0.0) == "sm90"
-    assert bwd.bwd_family(dev, 256, 256, 0.0) == "sm90"
-    assert bwd.bwd_family(dev, 128, 128, 30.0) == "sm90"
-    for args in ((96, 96, 0.0), (192, 192, 0.0), (128, 64, 0.0), (64, 64, 30.0)):
-        with pytest.raises(ValueError):
-            bwd.bwd_family(dev, *args)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError):
         bwd.bwd_family(dev, 128, 128, 0.0)
     monkeypatch.setenv(bwd.BWD_KERNEL_ENV, "fa3")

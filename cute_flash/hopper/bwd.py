@@ -1,5 +1,5 @@
-"""FlashAttention-3 style backward main kernel for Hopper (sm90a). WORK IN PROGRESS: compile-checked
-on the CPU only, not yet run on a GPU, and not dispatched (autograd runs the sm80 backward).
+"""FlashAttention-3 style backward main kernel for Hopper (sm90a), head dims 64 and 128 (d = 256:
+``bwd_wide.py``). Autograd runs it on Hopper (``bwd.bwd_family``).
 
 One CTA owns ``tile_n`` keys of one (batch, head) and walks the query blocks that see them
 (``tile_m`` rows each). Warpgroup 0 produces: one warp TMA-loads K and V once, then Q and dO of
@@ -11,16 +11,18 @@ dS^T feed their GEMMs straight from registers):
     S^T  = K Q^T           (SS)     P^T  = exp2(S^T * scale*log2e - LSE2)
     dP^T = V dO^T          (SS)     dS^T = P^T * (dP^T - D)
     dV  += P^T dO          (RS)     dK  += dS^T Q            (RS)
-    dQ   = dS K            (SS, dS through smem: its key axis is split over the warpgroups)
+    dQ   = dS K            (SS, dS^T through smem: its key axis is split over the warpgroups)
 
-dQ of a query block is added into the fp32 accumulator (row-major chunk per query block, same
-padded scratch as the sm80 backward) with fire-and-forget ``red.global.add``; the sm80
+dQ of a query block goes into the fp32 accumulator (one chunk per query block of the sm80
+backward's padded scratch, in the dQ MMA's fragment order): the consumers write it to smem and a
+writer warp of the producer warpgroup adds the tile with one bulk reduce-add (``dq_warp``), or the
+consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode). The sm80
 preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
 it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
 of every query head of its group, so dK and dV sum over the group in registers. Causal and
-sliding-window masks (bottom-right aligned) and softcap as in the sm80 backward. Scope so far:
-head dims 64 (128 query rows per block, dQ split by rows) and 128 (64 rows, dQ split by columns),
-d_v = d, dense inputs, not deterministic; softcap is refused by the config (it spills).
+sliding-window masks (bottom-right aligned), varlen, deterministic mode (ordered dQ adds) and
+softcap (d = 128) as in the sm80 backward. Head dims 64 (128 query rows per block, dQ split by
+rows) and 128 (64 rows, dQ split by columns), d_v = d.
 """
 
 import cutlass
@@ -56,16 +58,19 @@ BAR_DQ_FULL = 5
 NUM_MMA_THREADS = 256
 
 
-def dq_tiled_mma(dtype, tile_m: int, hdim: int):
+def dq_tiled_mma(dtype, tile_m: int, hdim: int, ds_query_major: bool = True):
     """dQ = dS K: M = the query block, N = head dim, K = keys; the two consumer warpgroups split it
-    by columns (64 query rows) or by rows (128). The postprocess reads the accumulator chunks in
-    this MMA's fragment order, so it builds the same one."""
+    by columns (64 query rows) or by rows (128). dS is read MN-major (``ds_query_major``: the narrow
+    kernel stores dS^T with the queries contiguous) or K-major. The postprocess reads the
+    accumulator chunks in this MMA's fragment order (independent of the A major mode), so it
+    builds the same one."""
     K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    a_major = MN if ds_query_major else K
     if tile_m == 64:
-        return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1),
-                                                 tiler_mn=(64, hdim // 2))
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32, atom_layout_mnk=(2, 1, 1),
-                                             tiler_mn=(64, hdim))
+        return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_major, MN, Float32,
+                                                 atom_layout_mnk=(1, 2, 1), tiler_mn=(64, hdim // 2))
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, a_major, MN, Float32,
+                                             atom_layout_mnk=(2, 1, 1), tiler_mn=(64, hdim))
 
 
 class FlashBwdSm90:
@@ -105,7 +110,10 @@ class FlashBwdSm90:
         # With 64 query rows the dQ GEMM splits the head dim over the warpgroups (K^T halves).
         self.sK_layout = self._smem(tn, d, None, atom_cols=d // 2 if tm == 64 else d)
         self.sV_layout = self._smem(tn, d, None)
-        self.sdS_layout = self._smem(tm, tn, None)
+        # dS^T as (keys, queries), queries contiguous: each thread's S^T accumulator pairs (one key,
+        # two adjacent queries) are single 32-bit stores, conflict-free under the 128-byte swizzle;
+        # the dQ GEMM reads it as an MN-major A operand.
+        self.sdS_layout = self._smem(tn, tm, None)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T, dP^T: M = keys (64 per consumer warpgroup), N = the query block, K = head dim.
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
@@ -335,10 +343,10 @@ class FlashBwdSm90:
             tdPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO)),
             tdVrdOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt)),
             tdKrQt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt)),
-            tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
+            tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(smem.sdS))),
             tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
             # dS^T written into smem through the S^T accumulator's (key, query) coordinates.
-            tSsdSt=thr_sdp.partition_C(transpose_smem(smem.sdS)),
+            tSsdSt=thr_sdp.partition_C(smem.sdS),
             acc_dK=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             # (key, query) of each S^T element of this thread, within the tile.
@@ -367,8 +375,9 @@ class FlashBwdSm90:
                 zero_init=False, wg_wait=-1)
         # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups.
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(cute.size(rdS)):
-            ctx.tSsdSt[i] = rdS[i]
+        src32, dst32 = cute.recast_tensor(rdS, Int32), cute.recast_tensor(ctx.tSsdSt, Int32)
+        for i in cutlass.range_constexpr(cute.size(src32)):
+            dst32[i] = src32[i]
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)

@@ -1,5 +1,4 @@
-"""FA3-style backward for wide heads (d = 256) on Hopper: WORK IN PROGRESS, compile-checked on the
-CPU only, not run on a GPU, not dispatched.
+"""FA3-style backward for wide heads (d = 256) on Hopper.
 
 dK and dV of 64 keys x 256 would need 256 fp32 registers per consumer thread in the swapped form of
 ``bwd.FlashBwdSm90``. Here the head dim sits on wgmma's M instead (FA3's "dKV swapAB"): the CTA owns
@@ -10,7 +9,7 @@ of the head dim (64 registers each per thread), and S, dP keep the queries on M:
     P  = exp2(S c - LSE2), dS = P (dP - D)      (per query row: 2 LSE2 / D values per thread)
     P, dS -> smem (both halves are needed by every warpgroup below)
     dV^T += dO^T P            dK^T += Q^T dS     (SS, both operands MN-major views of smem)
-    dQ    = dS K              (SS, head dim split over the warpgroups), red.add into fp32
+    dQ    = dS K              (SS, head dim split over the warpgroups), red.add.v4 into fp32
 
 Producer, pipelines, GQA / varlen / window / deterministic handling and the dQ accumulation are
 the narrow kernel's (this class derives from it).
@@ -23,7 +22,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_flash.ampere import common
-from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90
+from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90, dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
@@ -52,8 +51,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             self.dtype, self.dtype, MN, MN, Float32,
             atom_layout_mnk=(1, 2, 1) if self.dkv_by_keys else (2, 1, 1), tiler_mn=(64, kv_half))
         # dQ: M = the query block, N = head dim (half per warpgroup), K = keys.
-        self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, d // 2))
+        self.mma_dq = dq_tiled_mma(self.dtype, tm, d, ds_query_major=False)
 
     def smem_layouts(self) -> dict:
         return {**super().smem_layouts(), "sP": self.sP_layout}
