@@ -26,6 +26,15 @@ GROUPS = {
     "d64": [(*c, 64) for c in BASE],
     "d128": [(*c, 128) for c in BASE] + [(2, 300, 300, 4, 2, True, (-1, -1), 30.0, 128)],
     "d256": [(*c, 256) for c in BASE],
+    # MQA + causal + left window with more queries than keys (a d=256 failure of the API grid),
+    # and its neighbours for bisecting.
+    "probe": [(2, 1000, 113, 6, 1, True, (128, -1), 0.0, 256),
+              (2, 1000, 113, 1, 1, True, (128, -1), 0.0, 256),
+              (2, 1000, 113, 6, 1, True, (-1, -1), 0.0, 256),
+              (2, 1000, 113, 6, 1, False, (128, -1), 0.0, 256),
+              (2, 1000, 113, 6, 1, True, (128, -1), 0.0, 128),
+              (2, 1000, 113, 6, 1, True, (128, -1), 0.0, 64),
+              (2, 1000, 1000, 6, 1, True, (128, -1), 0.0, 256)],
 }
 
 

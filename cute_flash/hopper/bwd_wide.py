@@ -51,7 +51,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             self.dtype, self.dtype, MN, MN, Float32,
             atom_layout_mnk=(1, 2, 1) if self.dkv_by_keys else (2, 1, 1), tiler_mn=(64, kv_half))
         # dQ: M = the query block, N = head dim (half per warpgroup), K = keys.
-        self.mma_dq = dq_tiled_mma(self.dtype, tm, d, ds_query_major=False)
+        self.mma_dq = dq_tiled_mma(self.dtype, tm, d)
 
     def smem_layouts(self) -> dict:
         return {**super().smem_layouts(), "sP": self.sP_layout}
