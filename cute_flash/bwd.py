@@ -376,8 +376,10 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if bwd_family(q.device, q.shape[-1], v.shape[-1], softcap) == "sm90":
         from cute_flash.bwd_sm90 import run_bwd_sm90
 
+        # The normalised (causal, window) pair: a causal window (left, -1) is (left, 0) by now, and
+        # handing back the raw window_size with the normalised causal=False would unbound its right.
         run_bwd_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                     window_size=(left, right), softcap=softcap, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk, deterministic=deterministic)
         return
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]

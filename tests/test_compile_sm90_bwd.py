@@ -120,11 +120,14 @@ GPU_CASES = [
     (1, 300, 300, 4, 1, True, (-1, -1)),  # MQA
     (2, 500, 700, 2, 2, False, (96, 32)),  # sliding window
     (2, 300, 300, 4, 2, True, (-1, -1), 30.0),  # softcap
+    # Left window only, more queries than keys: the unbounded right side must not bind (it did
+    # when "unbounded" was seqlen_k, with key - query reaching past offset + seqlen_k).
+    (2, 1000, 113, 6, 1, False, (128, -1)),
 ]
 # (..., softcap, d): softcap 0 unless given; d=64 and d=256 on a few of them (without softcap).
 GPU_CASES = [c if len(c) == 8 else (*c, 0.0) for c in GPU_CASES]
-GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7)]
-             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7)])
+GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7, 9)]
+             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7, 9)])
 
 
 @pytest.mark.gpu

@@ -208,3 +208,24 @@ def test_run_bwd_launches_the_sm90_backward_when_forced(monkeypatch):
     bwd.run_bwd(do, q, k, v, o, lse, *(torch.empty_like(t) for t in (q, k, v)), softmax_scale=0.1,
                 causal=True, window_size=(-1, 0), softcap=0.0, deterministic=True)
     assert len(seen) == 1 and seen[0]["causal"] and seen[0]["deterministic"]
+
+
+@pytest.mark.parametrize("causal,window", [(True, (128, -1)), (True, (-1, -1)), (False, (128, -1)),
+                                           (False, (-1, 64)), (True, (-1, 64)), (False, (32, 16))])
+def test_run_bwd_hands_the_sm90_launcher_the_mask_it_was_given(monkeypatch, causal, window):
+    """A causal window (left, -1) is (left, 0): the launcher must not receive causal=False with the
+    raw (left, -1), which would unbound the window's right side (this gave wrong gradients on the
+    H200 for causal + left-window at d=256)."""
+    from cute_flash import bwd, bwd_sm90
+    from cute_flash.fwd import normalize_window
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(bwd_sm90, "run_bwd_sm90", lambda *a, **kw: seen.append(kw))
+    q, k, v, o, do = (torch.randn(2, 70, 4, 128, dtype=BF16) for _ in range(5))
+    lse = torch.randn(2, 4, 70)
+    bwd.run_bwd(do, q, k, v, o, lse, *(torch.empty_like(t) for t in (q, k, v)), softmax_scale=0.1,
+                causal=causal, window_size=window, softcap=0.0, deterministic=False)
+    assert len(seen) == 1
+    assert normalize_window(seen[0]["causal"], seen[0]["window_size"]) == normalize_window(causal, window)

@@ -393,11 +393,15 @@ class FlashBwdSm90:
         offset = ctx.seqlen.seqlen_k - ctx.seqlen.seqlen_q
         key0 = ctx.n_block * self.tile_n
         q0 = m_block * self.tile_m
+        # An unbounded side must not bind for any (key, query) pair: key - query spans
+        # (-seqlen_q, seqlen_k), so seqlen_q + seqlen_k is out of reach either way. (seqlen_k alone
+        # is not: with more queries than keys, offset < 0 and key <= query + offset + seqlen_k cuts.)
+        unbounded = ctx.seqlen.seqlen_q + ctx.seqlen.seqlen_k
         right = Int32(0)
-        left = ctx.seqlen.seqlen_k
+        left = unbounded
         if cutlass.const_expr(self.is_local):
-            right = ctx.seqlen.seqlen_k if ctx.window_right < 0 else ctx.window_right
-            left = ctx.seqlen.seqlen_k if ctx.window_left < 0 else ctx.window_left
+            right = unbounded if ctx.window_right < 0 else ctx.window_right
+            left = unbounded if ctx.window_left < 0 else ctx.window_left
         return ctx.seqlen.seqlen_k - 1 - key0, q0 + offset + right - key0, q0 + offset - left - key0
 
     # LSE2 and D come through smem with the block's Q / dO and are read where used: holding them in
