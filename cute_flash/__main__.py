@@ -221,7 +221,15 @@ def _gpu_main(args: argparse.Namespace) -> int:
     except Exception as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
         family = f"? ({type(e).__name__}: {e})"
     choice = os.environ.get("CUTE_FLASH_FWD_KERNEL", "auto")
-    print(f"kernels: forward {family} (CUTE_FLASH_FWD_KERNEL={choice}), backward sm80")
+    try:
+        from cute_flash.bwd import bwd_family
+
+        bfamily = bwd_family(torch.device("cuda"), args.hdim, args.hdim, 0.0)
+    except Exception as e:  # e.g. CUTE_FLASH_BWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
+        bfamily = f"? ({type(e).__name__}: {e})"
+    bchoice = os.environ.get("CUTE_FLASH_BWD_KERNEL", "auto")
+    print(f"kernels: forward {family} (CUTE_FLASH_FWD_KERNEL={choice}), backward {bfamily} "
+          f"(CUTE_FLASH_BWD_KERNEL={bchoice})")
     print(f"problem: B={args.batch} N={args.seqlen} H={args.heads} d={args.hdim} {args.dtype}; "
           "layout (B, N, H, d)\n")
     ok_all = True

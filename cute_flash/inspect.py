@@ -13,8 +13,10 @@ Which configs a variant compiles comes from a registry keyed by (arch, kernel, f
 family plugs in with :func:`register_family`. The default family of an (arch, kernel) is what the
 launchers run on such a GPU: on ``sm_90a`` the forward is the Hopper FA3 kernel (wgmma, TMA,
 mbarrier pipelines, warp specialisation; head dims it lacks fall back to sm80, as in
-``cute_flash.fwd.fwd_family``) and the backward is the sm80 code compiled for sm_90a.
-``--family sm80`` inspects the sm80 forward on sm_90a instead (what ``CUTE_FLASH_FWD_KERNEL=sm80`` runs).
+``cute_flash.fwd.fwd_family``), and so is the backward (the FA3 one where it covers the variant,
+as in ``cute_flash.bwd.bwd_family``, else the sm80 code compiled for sm_90a). ``--family sm80``
+inspects the sm80 kernels on sm_90a instead (what ``CUTE_FLASH_FWD_KERNEL`` /
+``CUTE_FLASH_BWD_KERNEL=sm80`` run).
 """
 
 from __future__ import annotations
@@ -151,12 +153,22 @@ def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
     return _sm80_fwd_configs(variant)
 
 
+def _hopper_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
+    """What an H100/H200 launches by default: the sm90 backward where it covers the variant, else
+    the sm80 one (``cute_flash.bwd.bwd_family``, auto mode)."""
+    from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
+
+    covered = (variant.hdim in SM90_BWD_HDIMS and variant.dv == variant.hdim
+               and (not variant.softcap or variant.hdim == 128))
+    return _sm90_bwd_configs(variant) if covered else _sm80_bwd_configs(variant)
+
+
 for _arch in jit.ARCHS:
     register_family(_arch, "fwd", _sm80_fwd_configs)
     register_family(_arch, "fwd", _sm80_fwd_configs, family="sm80")
-    # The backward is the sm80 code on every GPU, Hopper included (compiled for the sm_90a target).
     register_family(_arch, "bwd", _sm80_bwd_configs)
     register_family(_arch, "bwd", _sm80_bwd_configs, family="sm80")
+register_family("sm_90a", "bwd", _hopper_bwd_configs)
 register_family("sm_90a", "fwd", _hopper_fwd_configs)
 register_family("sm_90a", "fwd", _sm90_fwd_configs, family="sm90")
 register_family("sm_90a", "bwd", _sm90_bwd_configs, family="sm90")
@@ -724,7 +736,8 @@ _TABLE_PTX = (("mma", "mma.sync"), ("wgmma", "wgmma.mma_async"), ("ldmatrix", "l
               ("cp.async", "cp.async"), ("tma", "cp.async.bulk.tensor"), ("mbar.wait", "mbarrier.wait"),
               ("nreg+", "setmaxnreg.inc"), ("nreg-", "setmaxnreg.dec"), ("bar.sync", "bar.sync"),
               ("bar.named", "bar.named"), ("ex2", "ex2.approx"), ("red", "red.global.add"),
-              ("shfl", "shfl.sync"), ("ld.g", "ld.global"), ("st.g", "st.global"))
+              ("bulk.red", "cp.reduce.async.bulk"), ("shfl", "shfl.sync"), ("ld.g", "ld.global"),
+              ("st.g", "st.global"))
 _TABLE_SASS = (("HMMA", "HMMA"), ("HGMMA", "HGMMA"), ("LDSM", "LDSM"), ("LDGSTS", "LDGSTS"),
                ("UTMALDG", "UTMALDG"), ("EX2", "MUFU.EX2"), ("RED", "RED"), ("BAR", "BAR"), ("LDL", "LDL"),
                ("STL", "STL"))

@@ -223,8 +223,15 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(cfg) is FwdConfig and cfg.target == "sm_80"
     with pytest.raises(ValueError, match=r"no kernel family registered for sm_80/fwd\[sm90\]"):
         ins.configs_for(dataclasses.replace(v, arch="sm_80", family="sm90"))
-    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64))  # sm80 code on Hopper too
-    assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd)
+    # The backward on Hopper: the FA3 main kernel + postprocess (sm80 preprocess) where it covers
+    # the variant, else the sm80 code built for sm_90a -- as the launcher's auto mode picks.
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64))
+    assert [type(c).__name__ for c in bwd] == ["BwdPreConfig", "BwdSm90Config", "BwdSm90PostConfig"]
+    for kw in (dict(hdim=96), dict(hdim=64, softcap=True), dict(hdim=128, hdim_v=64)):
+        bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", **kw))
+        assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd), kw
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64, family="sm80"))
+    assert all("Sm90" not in type(c).__name__ for c in bwd)
     for family in ("", "sm80", "sm90"):
         with pytest.raises(ValueError, match="e4m3"):
             ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3", family=family))
