@@ -328,23 +328,23 @@ BWD_KERNEL_ENV = "CUTE_FLASH_BWD_KERNEL"
 def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> str:
     """``sm80`` or ``sm90``: the backward kernels to launch. ``CUTE_FLASH_BWD_KERNEL`` (read at each
     call): ``auto`` (default) takes the FA3 backward (``cute_flash.hopper.bwd``) on a Hopper GPU
-    where it covers the problem (head dims 64 / 128 / 256 with d_v = d; softcap at d = 128) and the
-    FA2 backward everywhere else; ``sm80`` forces the FA2 backward (any sm80+ GPU, e.g. for
-    comparisons); ``sm90`` forces the FA3 one, raising ``ValueError`` where it does not apply."""
+    where it covers the problem and has been GPU-checked (``bwd_sm90.sm90_bwd_covers``: head dims
+    64 / 128 / 256 with d_v = d; softcap at d = 128) and the FA2 backward everywhere else;
+    ``sm80`` forces the FA2 backward (any sm80+ GPU, e.g. for comparisons); ``sm90`` forces the FA3
+    one (softcap at d = 256 too), raising ``ValueError`` where it does not apply."""
     choice = os.environ.get(BWD_KERNEL_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "sm80", "sm90"):
         raise ValueError(f"{BWD_KERNEL_ENV} must be one of auto, sm80, sm90, got {choice!r}")
     if choice == "sm80":
         return "sm80"
-    from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
+    from cute_flash.bwd_sm90 import SM90_BWD_HDIMS, SM90_BWD_SOFTCAP_HDIMS, sm90_bwd_covers
 
     major, _ = torch.cuda.get_device_capability(device)
-    covered = hdim in SM90_BWD_HDIMS and hdim_v == hdim and (softcap <= 0.0 or hdim == 128)
-    if major == 9 and covered:
+    if major == 9 and sm90_bwd_covers(hdim, hdim_v, softcap > 0.0, forced=choice == "sm90"):
         return "sm90"
     if choice == "sm90":
         raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward needs a Hopper GPU, a head dim in "
-                         f"{SM90_BWD_HDIMS} with d_v = d, softcap at d = 128 only "
+                         f"{SM90_BWD_HDIMS} with d_v = d, softcap at d in {SM90_BWD_SOFTCAP_HDIMS} only "
                          f"(got sm{major}x, d={hdim}, d_v={hdim_v}, softcap={softcap})")
     return "sm80"
 

@@ -23,9 +23,8 @@ from cute_flash.bwd import (
 )
 from cute_flash.fwd import normalize_window
 
-# Scope of the main kernels so far (see their docstrings): head dims 64, 128 and 256 (= d_v)
-# (GQA, causal, windows, varlen and deterministic mode included); softcap at d = 128 only, where its
-# 1 - tanh^2 factor costs ~9 spilled registers (d = 64: 15-72; the d = 256 kernel lacks it).
+# Scope of the main kernels (see their docstrings): head dims 64, 128 and 256 (= d_v) (GQA, causal,
+# windows, varlen and deterministic mode included); softcap below.
 #
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
 # over the warpgroups by rows; d=128 takes 64 and splits dQ by columns (64 each). Either way each
@@ -36,6 +35,21 @@ from cute_flash.fwd import normalize_window
 SM90_BWD_TILE_M = {64: 128, 128: 64, 256: 64}
 SM90_BWD_TILE_N = {64: 128, 128: 128, 256: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
+# Softcap: d = 128 (narrow kernel, ~11 spill stores) and d = 256 (wide kernel, none); d = 64 spills
+# 15-72. Autograd takes the sm90 kernels only for what has passed the GPU suite: d = 256 softcap
+# compiles but has not run on a GPU yet, so only CUTE_FLASH_BWD_KERNEL=sm90 reaches it.
+SM90_BWD_SOFTCAP_HDIMS = (128, 256)
+SM90_BWD_SOFTCAP_GPU_CHECKED = (128,)
+
+
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
+    """Whether the sm90 backward runs this problem: under ``auto`` (``forced=False``) only what has
+    been GPU-checked, under ``CUTE_FLASH_BWD_KERNEL=sm90`` everything it compiles."""
+    if hdim not in SM90_BWD_HDIMS or hdim_v != hdim:
+        return False
+    if softcap:
+        return hdim in (SM90_BWD_SOFTCAP_HDIMS if forced else SM90_BWD_SOFTCAP_GPU_CHECKED)
+    return True
 
 
 @dataclass(frozen=True)
@@ -71,8 +85,8 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
         if self.dq_warp and (self.hdim > 128 or self.deterministic):
             raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
-        if self.softcap and self.hdim != 128:
-            raise ValueError("sm90 backward: softcap only at head dim 128")
+        if self.softcap and self.hdim == 64:
+            raise ValueError("sm90 backward: no softcap at head dim 64 (it spills 15-72 registers)")
         if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {SM90_BWD_TILE_N[self.hdim]} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64 or 128")

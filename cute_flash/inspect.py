@@ -156,10 +156,9 @@ def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
 def _hopper_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
     """What an H100/H200 launches by default: the sm90 backward where it covers the variant, else
     the sm80 one (``cute_flash.bwd.bwd_family``, auto mode)."""
-    from cute_flash.bwd_sm90 import SM90_BWD_HDIMS
+    from cute_flash.bwd_sm90 import sm90_bwd_covers
 
-    covered = (variant.hdim in SM90_BWD_HDIMS and variant.dv == variant.hdim
-               and (not variant.softcap or variant.hdim == 128))
+    covered = sm90_bwd_covers(variant.hdim, variant.dv, variant.softcap)
     return _sm90_bwd_configs(variant) if covered else _sm80_bwd_configs(variant)
 
 

@@ -22,8 +22,9 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
     for d in (64, 128, 256) for c in (False, True)
 ] + [
-    # Softcap (d = 128): the 1 - tanh^2 factor of every score kept from S^T to dS^T.
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, softcap=True) for c in (False, True)
+    # Softcap (d = 128, 256): the 1 - tanh^2 factor of every score kept from S (S^T) to dS (dS^T).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=True)
+    for d in (128, 256) for c in (False, True)
 ] + [
     # Deterministic dQ (ordered accumulation through semaphores).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
@@ -70,7 +71,7 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         sass = ins.disassemble(path) or ""
     # No spills, except softcap (its 1 - tanh^2 factor: 11 spill stores at this register budget,
     # where dK, dV, S^T, dP^T are 192 of the 240) -- bounded so a real regression still fails.
-    clean = not cfg.softcap
+    clean = not (cfg.softcap and cfg.hdim == 128)
     for fn, res in usage.items():
         if clean:
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
@@ -98,9 +99,8 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", tile_n=64)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=192)
-    for d in (64, 256):
-        with pytest.raises(ValueError):
-            BwdSm90Config(target="sm_90a", hdim=d, softcap=True)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=64, softcap=True)
 
 
 def _hopper() -> bool:
@@ -124,10 +124,10 @@ GPU_CASES = [
     # when "unbounded" was seqlen_k, with key - query reaching past offset + seqlen_k).
     (2, 1000, 113, 6, 1, False, (128, -1)),
 ]
-# (..., softcap, d): softcap 0 unless given; d=64 and d=256 on a few of them (without softcap).
+# (..., softcap, d): softcap 0 unless given; d=64 (no softcap) and d=256 on a few of them.
 GPU_CASES = [c if len(c) == 8 else (*c, 0.0) for c in GPU_CASES]
 GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7, 9)]
-             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7, 9)])
+             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7, 8, 9)])
 
 
 @pytest.mark.gpu

@@ -90,9 +90,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
-        self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
+        dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
         warpgroup.wait_group(0)
-        self.dscores_rows(ctx, acc_S, acc_dP, ctx.smem.sDsum[None, s])
+        self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s])
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
@@ -113,7 +113,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     @cute.jit
     def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32):
         """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
-        queries here; same bounds as ``FlashBwdSm90.probs``)."""
+        queries here; same bounds as ``FlashBwdSm90.probs``); softcap: of tanh(S * score_scale),
+        returning 1 - tanh^2 (fp16, as the narrow kernel) for the chain rule, else None."""
+        dtanh = None
+        if cutlass.const_expr(self.has_softcap):
+            dtanh = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                t = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
+                acc_S[i] = t
+                dtanh[i] = (Float32(1.0) - t * t).to(cutlass.Float16)
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
         last_key, hi, lo = self.mask_bounds(ctx, m_block)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
@@ -127,15 +135,19 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 if cutlass.const_expr(self.is_local):
                     ok = ok and key - query >= lo
                 acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
+        return dtanh
 
     @cute.jit
-    def dscores_rows(self, ctx, acc_S, acc_dP, sDsum):
-        """dS = P (dP - D[query]) into ``acc_dP``."""
+    def dscores_rows(self, ctx, acc_S, acc_dP, dtanh, sDsum):
+        """dS = P (dP - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p, dp = acc_to_mn(acc_S), acc_to_mn(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
             dsum = sDsum[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_dP[i] * dtanh[i].to(Float32)
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
