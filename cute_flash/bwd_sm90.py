@@ -71,6 +71,11 @@ class BwdSm90Config(jit.KernelConfig):
     # reduce-add from smem (narrow kernel; d = 256 has no smem left for the tile and, like
     # deterministic mode, lets the consumers issue vector reductions).
     dq_warp: bool | None = None
+    # Narrow kernel schedule switches (after flash-attn-4's sm90 backward; not yet measured, off):
+    # issue dQ before dK and hand the dQ tile over while dK runs; double-buffer dS per Q/dO stage,
+    # dropping the consumers' EMPTY barrier before each dS store.
+    dq_before_dk: bool = False
+    ds_stages: int = 1
 
     kernel_name = "bwd_sm90"
 
@@ -85,6 +90,10 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
         if self.dq_warp and (self.hdim > 128 or self.deterministic):
             raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
+        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1):
+            raise ValueError("sm90 backward: dq_before_dk / ds_stages are narrow-kernel (d <= 128) switches")
+        if self.ds_stages not in (1, self.stages):
+            raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
             raise ValueError("sm90 backward: no softcap at head dim 64 (it spills 15-72 registers)")
         if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:

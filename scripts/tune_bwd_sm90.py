@@ -4,7 +4,7 @@ and cuDNN's backward in the same run, passes rotated over the providers; dq of e
 against the default one (relative L2), so a broken variant is flagged rather than timed as right.
 
     python scripts/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
-        [--variant "dq_warp=0" "deterministic=1" ...]
+        [--variant "dq_warp=0" "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
 """
 
 import argparse
@@ -66,7 +66,7 @@ def main() -> None:
                     name = ",".join(f"{a}={x}" for a, x in var.items()) or "default"
                     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
                     det = bool(var.get("deterministic", 0))
-                    ov = {a: bool(x) for a, x in var.items() if a != "deterministic"}
+                    ov = {a: x for a, x in var.items() if a != "deterministic"}
                     fn = functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads, softmax_scale=scale,
                                            causal=causal, deterministic=det, overrides=ov)
 

@@ -26,6 +26,10 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=True)
     for d in (128, 256) for c in (False, True)
 ] + [
+    # The narrow kernel's schedule switches (dQ before dK, double-buffered dS).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_before_dk=True, ds_stages=2)
+    for d in (64, 128) for c in (False, True)
+] + [
     # Deterministic dQ (ordered accumulation through semaphores).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
     for c, vl in ((False, False), (True, True))
@@ -38,7 +42,8 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    flags = [f for f in ("softcap", "varlen", "deterministic") if getattr(cfg, f)]
+    flags = [f for f in ("softcap", "varlen", "deterministic", "dq_before_dk") if getattr(cfg, f)]
+    flags += [f"ds{cfg.ds_stages}"] if cfg.ds_stages > 1 else []
     return "-".join([cfg.dtype, f"d{cfg.hdim}", mode, *flags])
 
 
@@ -134,6 +139,19 @@ GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
+    _check_gradients(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 3, 5, 7, 8, 9)]
+                         + [c for c in GPU_CASES if c[-1] == 64][:3])
+def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(case: tuple) -> None:
+    """dQ issued before dK (its tile handed over under dK) and double-buffered dS: same rule."""
+    _check_gradients(case, overrides=dict(dq_before_dk=True, ds_stages=2))
+
+
+def _check_gradients(case: tuple, overrides: dict | None = None) -> None:
     import math
 
     import torch
@@ -153,7 +171,7 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
     out, lse = attention_ref(q, k, v, **kw)
     out = out.to(dt)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    run_bwd_sm90(do, q, k, v, out, lse.float().contiguous(), *grads, **kw)
+    run_bwd_sm90(do, q, k, v, out, lse.float().contiguous(), *grads, overrides=overrides, **kw)
     torch.cuda.synchronize()
 
     def ref_grads(upcast: bool) -> tuple:

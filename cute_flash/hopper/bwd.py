@@ -79,6 +79,7 @@ class FlashBwdSm90:
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.dq_warp = cfg.dq_warp
+        self.dq_before_dk, self.ds_stages = cfg.dq_before_dk, cfg.ds_stages
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -110,7 +111,7 @@ class FlashBwdSm90:
         # dS as (queries, keys), K-major for the dQ GEMM. (A (keys, queries) tile read MN-major
         # would make the dS^T stores 32-bit and conflict-free, but gave wrong dQ on the H200 --
         # not understood yet, see docs/notes.md.)
-        self.sdS_layout = self._smem(tm, tn, None)
+        self.sdS_layout = self._smem(tm, tn, self.ds_stages if self.ds_stages > 1 else None)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         # S^T, dP^T: M = keys (64 per consumer warpgroup), N = the query block, K = head dim.
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
@@ -368,20 +369,36 @@ class FlashBwdSm90:
         # dV += P^T dO and dK += dS^T Q, A straight from registers.
         wg_gemm(self.mma_dkv, ctx.acc_dV, acc_to_frgA_sm90(rP), ctx.tdVrdOt[None, None, None, s],
                 zero_init=False, wg_wait=-1)
-        wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
-                zero_init=False, wg_wait=-1)
-        # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups.
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        if cutlass.const_expr(not self.dq_before_dk):
+            wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
+                    zero_init=False, wg_wait=-1)
+        # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups. One buffer: wait until
+        # both warpgroups' previous dQ GEMMs are done with it. Two (per Q/dO stage): the previous
+        # block's FULL barrier already implies that for the buffer written now (block i - 2's).
+        tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
+        if cutlass.const_expr(self.ds_stages > 1):
+            tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
+        else:
+            cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
         for i in cutlass.range_constexpr(cute.size(rdS)):
-            ctx.tSsdSt[i] = rdS[i]
+            tSsdSt[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
-        # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
-        # pass the next block's EMPTY barrier).
-        pipe_qdo.consumer_release(state)
-        self.store_dq(ctx, acc_dQ, head, m_block)
+        if cutlass.const_expr(self.dq_before_dk):
+            # dQ, then dK: once dQ is done (dK may still run) its tile goes out under dK.
+            wg_gemm(self.mma_dq, acc_dQ, tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=-1)
+            wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
+                    zero_init=False, wg_wait=1)
+            self.store_dq(ctx, acc_dQ, head, m_block)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+        else:
+            wg_gemm(self.mma_dq, acc_dQ, tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
+            # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
+            # pass the next block's EMPTY barrier).
+            pipe_qdo.consumer_release(state)
+            self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
     def mask_bounds(self, ctx, m_block: Int32):

@@ -28,6 +28,8 @@ from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
 class FlashBwdSm90Wide(FlashBwdSm90):
+    """(The narrow kernel's ``dq_before_dk`` / ``ds_stages`` switches do not apply here.)"""
+
     def _setup(self) -> None:
         d, tm, tn = self.hdim, self.tile_m, self.tile_n
         self.sQ_layout = self._smem(tm, d, self.num_stages)
