@@ -76,6 +76,8 @@ class BwdSm90Config(jit.KernelConfig):
     # dropping the consumers' EMPTY barrier before each dS store.
     dq_before_dk: bool = False
     ds_stages: int = 1
+    # dS^T stored with transposing stmatrix instead of 2-byte stores (not yet GPU-checked, off).
+    ds_stmatrix: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -90,8 +92,9 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
         if self.dq_warp and (self.hdim > 128 or self.deterministic):
             raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
-        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1):
-            raise ValueError("sm90 backward: dq_before_dk / ds_stages are narrow-kernel (d <= 128) switches")
+        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix):
+            raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix are narrow-kernel "
+                             "(d <= 128) switches")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:

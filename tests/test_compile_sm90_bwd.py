@@ -26,8 +26,9 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=True)
     for d in (128, 256) for c in (False, True)
 ] + [
-    # The narrow kernel's schedule switches (dQ before dK, double-buffered dS).
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_before_dk=True, ds_stages=2)
+    # The narrow kernel's schedule switches (dQ before dK, double-buffered dS, stmatrix dS stores).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_before_dk=True, ds_stages=2,
+                  ds_stmatrix=c)
     for d in (64, 128) for c in (False, True)
 ] + [
     # Deterministic dQ (ordered accumulation through semaphores).
@@ -42,7 +43,8 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    flags = [f for f in ("softcap", "varlen", "deterministic", "dq_before_dk") if getattr(cfg, f)]
+    names = ("softcap", "varlen", "deterministic", "dq_before_dk", "ds_stmatrix")
+    flags = [f for f in names if getattr(cfg, f)]
     flags += [f"ds{cfg.ds_stages}"] if cfg.ds_stages > 1 else []
     return "-".join([cfg.dtype, f"d{cfg.hdim}", mode, *flags])
 
@@ -90,6 +92,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert hgmma == (52 if cfg.hdim == 256 else 32), f"{hgmma} HGMMA"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
+        if cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
+            assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
 
 
 def test_sm90_bwd_postprocess_compiles() -> None:
@@ -144,11 +148,14 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("switches", [dict(dq_before_dk=True, ds_stages=2), dict(ds_stmatrix=True)], ids=str)
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 3, 5, 7, 8, 9)]
                          + [c for c in GPU_CASES if c[-1] == 64][:3])
-def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(case: tuple) -> None:
-    """dQ issued before dK (its tile handed over under dK) and double-buffered dS: same rule."""
-    _check_gradients(case, overrides=dict(dq_before_dk=True, ds_stages=2))
+def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(case: tuple,
+                                                                              switches: dict) -> None:
+    """dQ issued before dK (its tile handed over under dK), double-buffered dS, stmatrix dS stores:
+    same rule."""
+    _check_gradients(case, overrides=switches)
 
 
 def _check_gradients(case: tuple, overrides: dict | None = None) -> None:

@@ -79,7 +79,7 @@ class FlashBwdSm90:
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.dq_warp = cfg.dq_warp
-        self.dq_before_dk, self.ds_stages = cfg.dq_before_dk, cfg.ds_stages
+        self.dq_before_dk, self.ds_stages, self.ds_stmatrix = cfg.dq_before_dk, cfg.ds_stages, cfg.ds_stmatrix
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -345,10 +345,23 @@ class FlashBwdSm90:
             tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
             # dS^T written into smem through the S^T accumulator's (key, query) coordinates.
             tSsdSt=thr_sdp.partition_C(transpose_smem(smem.sdS)),
+            **self.ds_store_ctx(smem, tidx),
             acc_dK=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             # (key, query) of each S^T element of this thread, within the tile.
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))))
+
+    def ds_store_ctx(self, smem, tidx) -> dict:
+        """``ds_stmatrix``: dS^T leaves the S^T accumulator layout through transposing ``stmatrix``
+        (8x8 tiles, 4 per instruction) instead of 2-byte stores: the key axis is the contiguous
+        one of the K-major dS tile, across the accumulator's register pairs."""
+        if cutlass.const_expr(not self.ds_stmatrix):
+            return {}
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                   self.dtype)
+        tiled = cute.make_tiled_copy_C(atom, self.mma_sdp)
+        thr = tiled.get_slice(tidx)
+        return dict(st_dS=tiled, thr_st_dS=thr, tRSsdSt=thr.partition_D(transpose_smem(smem.sdS)))
 
     @cute.jit
     def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
@@ -376,12 +389,17 @@ class FlashBwdSm90:
         # both warpgroups' previous dQ GEMMs are done with it. Two (per Q/dO stage): the previous
         # block's FULL barrier already implies that for the buffer written now (block i - 2's).
         tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
+        if cutlass.const_expr(self.ds_stmatrix):
+            tSsdSt = ctx.tRSsdSt
         if cutlass.const_expr(self.ds_stages > 1):
             tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
         else:
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(cute.size(rdS)):
-            tSsdSt[i] = rdS[i]
+        if cutlass.const_expr(self.ds_stmatrix):
+            cute.copy(ctx.st_dS, ctx.thr_st_dS.retile(rdS), tSsdSt)
+        else:
+            for i in cutlass.range_constexpr(cute.size(rdS)):
+                tSsdSt[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
