@@ -519,8 +519,6 @@ class FlashBwdSm90:
         """Adds this block's dQ partial into its fp32 accumulator chunk (fragment order, see
         ``bwd_math.frag_chunk_view``): through the writer warp (``dq_warp``), or with vector
         reductions from the consumer threads."""
-        gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
-                                       self.hdim)
         sem = None
         if cutlass.const_expr(self.deterministic):
             # Bitwise-reproducible dQ: K/V blocks add into a query block in order n = 0, 1, ...;
@@ -540,6 +538,8 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()  # generic-proxy writes before the bulk copy reads them
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
         else:
+            gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
+                                           self.hdim)
             bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(self.deterministic):
             bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
