@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for the sm90 backward (developer tool): GPU tests in 8 shards, the backward
+# switches against the default, then the standard backward grid beside the peers. Logs under $OUT
+# (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
+#   scripts/device_bwd_check.sh [tests] [tune] [bench]      (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests tune bench)
+for p in "${parts[@]}"; do
+  case "$p" in
+    tests)
+      timeout "${TESTS_TIMEOUT:-240}" scripts/gpu_tests_sharded.sh 8 /tmp/shards tests > "$OUT/tests_summary.txt" 2>&1
+      echo "== tests rc=$?"
+      cat /tmp/shards/shard_*.log > "$OUT/tests_all.log" 2>/dev/null
+      cut -c1-200 "$OUT/tests_summary.txt" ;;
+    tune)
+      timeout "${TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 128 64 --seqlen 8192 \
+        --variant "dq_before_dk=1" "ds_stages=2" "ds_stmatrix=1" "dq_before_dk=1,ds_stages=2,ds_stmatrix=1" \
+        "deterministic=1" > "$OUT/tune.log" 2>&1
+      echo "== tune rc=$?"
+      grep -E "^d[0-9]|WRONG|Error" "$OUT/tune.log" ;;
+    bench)
+      timeout "${BENCH_TIMEOUT:-260}" python benchmarks/bench.py --dir bwd --seqlen 2048 4096 8192 16384 --rounds 3 \
+        --providers ours ours-det sdpa-flash sdpa-cudnn fa4 --out "$OUT" > "$OUT/bench.log" 2>&1
+      echo "== bench rc=$?"
+      awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
+    *) echo "unknown part $p" >&2; exit 2 ;;
+  esac
+done
