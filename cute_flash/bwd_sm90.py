@@ -78,6 +78,8 @@ class BwdSm90Config(jit.KernelConfig):
     ds_stages: int = 1
     # dS^T stored with transposing stmatrix instead of 2-byte stores (not yet GPU-checked, off).
     ds_stmatrix: bool = False
+    # Deterministic mode: K/V blocks add dQ in descending order (not yet GPU-checked, off).
+    det_descending: bool = False
 
     kernel_name = "bwd_sm90"
 

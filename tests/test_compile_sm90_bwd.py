@@ -31,9 +31,11 @@ VARIANTS = [
                   ds_stmatrix=c)
     for d in (64, 128) for c in (False, True)
 ] + [
-    # Deterministic dQ (ordered accumulation through semaphores).
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=c, varlen=vl, deterministic=True)
-    for c, vl in ((False, False), (True, True))
+    # Deterministic dQ (ordered accumulation through semaphores), ascending and descending order.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=True,
+                  det_descending=desc)
+    for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
+                           (256, True, True, True))
 ]
 
 
@@ -43,7 +45,7 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic", "dq_before_dk", "ds_stmatrix")
+    names = ("softcap", "varlen", "deterministic", "det_descending", "dq_before_dk", "ds_stmatrix")
     flags = [f for f in names if getattr(cfg, f)]
     flags += [f"ds{cfg.ds_stages}"] if cfg.ds_stages > 1 else []
     return "-".join([cfg.dtype, f"d{cfg.hdim}", mode, *flags])
@@ -158,7 +160,7 @@ def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(ca
     _check_gradients(case, overrides=switches)
 
 
-def _check_gradients(case: tuple, overrides: dict | None = None) -> None:
+def _check_gradients(case: tuple, overrides: dict | None = None, deterministic: bool = False) -> None:
     import math
 
     import torch
@@ -178,7 +180,8 @@ def _check_gradients(case: tuple, overrides: dict | None = None) -> None:
     out, lse = attention_ref(q, k, v, **kw)
     out = out.to(dt)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    run_bwd_sm90(do, q, k, v, out, lse.float().contiguous(), *grads, overrides=overrides, **kw)
+    run_bwd_sm90(do, q, k, v, out, lse.float().contiguous(), *grads, overrides=overrides,
+                 deterministic=deterministic, **kw)
     torch.cuda.synchronize()
 
     def ref_grads(upcast: bool) -> tuple:
@@ -244,7 +247,11 @@ def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible() -> None:
+@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
+def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool) -> None:
+    """100 runs bitwise equal, in either dQ order (descending: ``det_descending``); the first also
+    within the 2x rule of the fp32 reference. 16k keys = 128 K/V blocks per head, more CTAs than
+    SMs, so a wait on a CTA that cannot become resident would hang here."""
     import torch
 
     from cute_flash.bwd_sm90 import run_bwd_sm90
@@ -252,15 +259,20 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible() -> None:
 
     torch.manual_seed(2)
     dev, dt, d = "cuda", torch.bfloat16, 128
-    q, do = (torch.randn(2, 1024, 4, d, device=dev, dtype=dt) for _ in range(2))
-    k, v = (torch.randn(2, 1024, 2, d, device=dev, dtype=dt) for _ in range(2))
-    out, lse = attention_ref(q, k, v, causal=True)
-    first = None
-    for _ in range(100):
-        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-        run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, softmax_scale=d ** -0.5,
-                     causal=True, deterministic=True)
-        if first is None:
-            first = grads
-        else:
-            assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+    for n, h, runs in ((1024, 4, 100), (16384, 2, 3)):
+        q, do = (torch.randn(1, n, h, d, device=dev, dtype=dt) for _ in range(2))
+        k, v = (torch.randn(1, n, h // 2, d, device=dev, dtype=dt) for _ in range(2))
+        out, lse = attention_ref(q, k, v, causal=True)
+        first = None
+        for _ in range(runs):
+            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, softmax_scale=d ** -0.5,
+                         causal=True, deterministic=True, overrides=dict(det_descending=descending))
+            torch.cuda.synchronize()
+            if first is None:
+                first = grads
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+        if n <= 1024:
+            _check_gradients((1, n, n, h, h // 2, True, (-1, -1), 0.0, d),
+                             overrides=dict(det_descending=descending), deterministic=True)

@@ -80,6 +80,7 @@ class FlashBwdSm90:
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.dq_warp = cfg.dq_warp
         self.dq_before_dk, self.ds_stages, self.ds_stmatrix = cfg.dq_before_dk, cfg.ds_stages, cfg.ds_stmatrix
+        self.det_descending = cfg.det_descending
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -212,21 +213,40 @@ class FlashBwdSm90:
                              for name, layout in self.fp32_layouts().items()})
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        if cutlass.const_expr(self.deterministic and self.det_descending):
+            # Descending dQ order: CTA n waits for CTA n + 1, so the last key block must launch
+            # first (CTAs start in blockIdx order; a waiter whose predecessor is not resident
+            # yet could otherwise fill every SM and never let it in).
+            n_block = cute.ceil_div(seqlen.seqlen_k, self.tile_n) - 1 - n_block
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
                                window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
         m_block_min = cutlass.min(m_block_min, m_block_max)
-        # Deterministic mode: the query blocks the previous K/V block added dQ into (their ranges
-        # are intervals whose both ends never decrease with n, as in the sm80 backward).
-        prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block - 1)
+        # Deterministic mode: K/V blocks add into each query block in a fixed order, ascending n
+        # (as the sm80 backward) or, with ``det_descending``, descending -- in causal attention the
+        # short late blocks then go first and nobody waits (ascending, each block's CTA idles on its
+        # SM until the long early blocks have passed its query blocks). ``order_rank``: this block's
+        # place in the chain; ``prev_*``: the query blocks its predecessor adds into (intervals).
+        order_rank = n_block
+        prev_valid = n_block > 0
+        prev_min, prev_max = Int32(0), Int32(0)
+        if cutlass.const_expr(self.deterministic):
+            if cutlass.const_expr(self.det_descending):
+                num_n = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
+                order_rank = num_n - 1 - n_block
+                prev_valid = n_block + 1 < num_n
+                prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block + 1)
+            else:
+                prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block - 1)
         # GQA/MQA: this KV head's query heads are [head_kv * group, (head_kv + 1) * group).
         group = mQ.shape[2] // mK.shape[2]
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
-                          prev_max=prev_max, mSemaphore=mSemaphore)
+                          prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
+                          mSemaphore=mSemaphore)
         # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
         # once (the condition is uniform over the CTA).
-        if n_block * self.tile_n < seqlen.seqlen_k:
+        if n_block >= 0 and n_block * self.tile_n < seqlen.seqlen_k:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
@@ -311,6 +331,7 @@ class FlashBwdSm90:
         ctx.window_left, ctx.window_right = window_left, window_right
         ctx.mLSE2, ctx.mD, ctx.mdQaccum, ctx.mSemaphore = mLSE2, mD, mdQaccum, work.mSemaphore
         ctx.prev_min, ctx.prev_max = work.prev_min, work.prev_max
+        ctx.prev_valid, ctx.order_rank = work.prev_valid, work.order_rank
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -521,13 +542,13 @@ class FlashBwdSm90:
         reductions from the consumer threads."""
         sem = None
         if cutlass.const_expr(self.deterministic):
-            # Bitwise-reproducible dQ: K/V blocks add into a query block in order n = 0, 1, ...;
-            # block n waits until block n-1 (if it saw this query block) has published n.
+            # Bitwise-reproducible dQ: K/V blocks add into a query block in a fixed order; the one
+            # of rank r waits until its predecessor (if it saw this query block) has published r.
             idx = bwd_math.semaphore_index(ctx.seqlen, ctx.batch, m_block, self.tile_m)
             coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, ctx.batch)
             sem = ctx.mSemaphore.iterator + cute.crd2idx(coord, ctx.mSemaphore.layout)
-            if ctx.n_block > 0 and m_block >= ctx.prev_min and m_block < ctx.prev_max:
-                bwd_math.semaphore_wait(sem, ctx.n_block, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+            if ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
+                bwd_math.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         if cutlass.const_expr(self.dq_warp):
             # Hand the tile to the writer warp: wait until it has read the previous one out.
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
@@ -542,7 +563,7 @@ class FlashBwdSm90:
                                            self.hdim)
             bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(self.deterministic):
-            bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+            bwd_math.semaphore_signal(sem, ctx.order_rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
