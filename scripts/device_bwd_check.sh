@@ -20,7 +20,7 @@ for p in "${parts[@]}"; do
     tune)
       timeout "${TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 128 64 --seqlen 8192 \
         --variant "dq_before_dk=1" "ds_stages=2" "ds_stmatrix=1" "dq_before_dk=1,ds_stages=2,ds_stmatrix=1" \
-        "deterministic=1" > "$OUT/tune.log" 2>&1
+        "deterministic=1" "deterministic=1,det_descending=1" > "$OUT/tune.log" 2>&1
       echo "== tune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune.log" ;;
     bench)
