@@ -150,7 +150,8 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("switches", [dict(dq_before_dk=True, ds_stages=2), dict(ds_stmatrix=True)], ids=str)
+@pytest.mark.parametrize("switches", [dict(dq_before_dk=True, ds_stages=2), dict(ds_stmatrix=True)],
+                         ids=["dq_before_dk-ds2", "ds_stmatrix"])
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 3, 5, 7, 8, 9)]
                          + [c for c in GPU_CASES if c[-1] == 64][:3])
 def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(case: tuple,
