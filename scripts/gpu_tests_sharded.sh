@@ -9,7 +9,8 @@ python -m pytest -q -m gpu --collect-only "$@" 2>/dev/null | grep "::" > "$logdi
 split -n "r/$n" -d "$logdir/ids.txt" "$logdir/shard_"
 pids=()
 for f in "$logdir"/shard_*; do
-  python -m pytest -q -m gpu --tb=short -p no:cacheprovider $(cat "$f") > "$f.log" 2>&1 &
+  mapfile -t ids < "$f"  # one test id per line (ids may contain spaces)
+  python -m pytest -q -m gpu --tb=short -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1 &
   pids+=($!)
 done
 rc=0
