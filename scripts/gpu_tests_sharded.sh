@@ -4,11 +4,11 @@
 set -uo pipefail
 n=$1 logdir=$2
 shift 2
-mkdir -p "$logdir"
+rm -rf "$logdir" && mkdir -p "$logdir"
 python -m pytest -q -m gpu --collect-only "$@" 2>/dev/null | grep "::" > "$logdir/ids.txt"
 split -n "r/$n" -d "$logdir/ids.txt" "$logdir/shard_"
 pids=()
-for f in "$logdir"/shard_*; do
+for f in "$logdir"/shard_??; do
   mapfile -t ids < "$f"  # one test id per line (ids may contain spaces)
   python -m pytest -q -m gpu --tb=short -p no:cacheprovider "${ids[@]}" > "$f.log" 2>&1 &
   pids+=($!)
