@@ -35,9 +35,10 @@ from cute_flash.fwd import normalize_window
 SM90_BWD_TILE_M = {64: 128, 128: 64, 256: 64}
 SM90_BWD_TILE_N = {64: 128, 128: 128, 256: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
-# Softcap: d = 128 (narrow kernel, ~11 spill stores) and d = 256 (wide kernel, none); d = 64 spills
-# 15-72. Autograd takes the sm90 kernels only for what has passed the GPU suite: d = 256 softcap
-# compiles but has not run on a GPU yet, so only CUTE_FLASH_BWD_KERNEL=sm90 reaches it.
+# Softcap: d = 128 (narrow kernel, 7 spill stores; none with ds_stmatrix) and d = 256 (wide kernel,
+# none); d = 64 spills 10-72. Autograd takes the sm90 kernels only for what has passed the GPU
+# suite: d = 256 softcap compiles but has not run on a GPU yet, so only CUTE_FLASH_BWD_KERNEL=sm90
+# reaches it.
 SM90_BWD_SOFTCAP_HDIMS = (128, 256)
 SM90_BWD_SOFTCAP_GPU_CHECKED = (128,)
 
