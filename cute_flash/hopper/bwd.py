@@ -467,30 +467,47 @@ class FlashBwdSm90:
         """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
         the key-range / causal / window mask. Padding query rows have LSE2 = +inf (preprocess),
         so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
+        dtanh = self.softcap_scores(ctx, acc_S)
+        acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
+        bounds = self.mask_bounds(ctx, m_block)
+        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            lse2 = sLSE2[ctx.tScS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                key, query = ctx.tScS[r, c]
+                acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
+        return dtanh
+
+    @cute.jit
+    def softcap_scores(self, ctx, acc_S):
+        """Softcap: S <- tanh(S * score_scale) in place; returns 1 - tanh^2 for the chain rule (or
+        None without softcap), kept as fp16 (11-bit mantissa, values in [0, 1]): half the registers
+        of fp32, which the narrow kernel's budget needs."""
         dtanh = None
         if cutlass.const_expr(self.has_softcap):
-            # 1 - tanh^2 in [0, 1] kept as fp16 (11-bit mantissa): 16 registers instead of 32,
-            # which this register budget needs.
             dtanh = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 t = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
                 acc_S[i] = t
                 dtanh[i] = (Float32(1.0) - t * t).to(cutlass.Float16)
-        acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
-        last_key, hi, lo = self.mask_bounds(ctx, m_block)
-        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            lse2 = sLSE2[ctx.tScS[0, c][1]]
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                key, query = ctx.tScS[r, c]
-                x = acc[r, c] * ctx.scale_log2 - lse2
-                ok = key <= last_key
-                if cutlass.const_expr(self.is_causal or self.is_local):
-                    ok = ok and key - query <= hi
-                if cutlass.const_expr(self.is_local):
-                    ok = ok and key - query >= lo
-                # exp2(-inf) = 0 for keys the query does not see.
-                acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
         return dtanh
+
+    @cute.jit
+    def softcap_grad(self, acc_dS, dtanh):
+        """dS *= 1 - tanh^2 (softcap only)."""
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_dS)):
+                acc_dS[i] = acc_dS[i] * dtanh[i].to(Float32)
+
+    @cute.jit
+    def masked_exp2(self, x: Float32, key: Int32, query: Int32, bounds: tuple) -> Float32:
+        """exp2(x) where the query sees the key (``mask_bounds``), else exp2(-inf) = 0."""
+        last_key, hi, lo = bounds
+        ok = key <= last_key
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            ok = ok and key - query <= hi
+        if cutlass.const_expr(self.is_local):
+            ok = ok and key - query >= lo
+        return cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
 
     @cute.jit
     def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum):
@@ -501,9 +518,7 @@ class FlashBwdSm90:
             dsum = sDsum[ctx.tScS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
-        if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_dP[i] * dtanh[i].to(Float32)
+        self.softcap_grad(acc_dP, dtanh)
 
     @cute.jit
     def dq_writer(self, mdQaccum, smem, seqlen: SeqlenInfo, work):

@@ -117,26 +117,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
         queries here; same bounds as ``FlashBwdSm90.probs``); softcap: of tanh(S * score_scale),
         returning 1 - tanh^2 (fp16, as the narrow kernel) for the chain rule, else None."""
-        dtanh = None
-        if cutlass.const_expr(self.has_softcap):
-            dtanh = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                t = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
-                acc_S[i] = t
-                dtanh[i] = (Float32(1.0) - t * t).to(cutlass.Float16)
+        dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
-        last_key, hi, lo = self.mask_bounds(ctx, m_block)
+        bounds = self.mask_bounds(ctx, m_block)
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             lse2 = sLSE2[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 query, key = ctx.tScS[r, c]
-                x = acc[r, c] * ctx.scale_log2 - lse2
-                ok = key <= last_key
-                if cutlass.const_expr(self.is_causal or self.is_local):
-                    ok = ok and key - query <= hi
-                if cutlass.const_expr(self.is_local):
-                    ok = ok and key - query >= lo
-                acc[r, c] = cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
+                acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         return dtanh
 
     @cute.jit
@@ -147,9 +135,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             dsum = sDsum[ctx.tScS[r, 0][0]]
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
-        if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_dP[i] * dtanh[i].to(Float32)
+        self.softcap_grad(acc_dP, dtanh)
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
