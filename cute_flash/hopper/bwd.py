@@ -337,13 +337,25 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_m = work.m_block_max - work.m_block_min
-        for it in cutlass.range(work.group * num_m, unroll=1):
-            g = it // num_m
-            self.one_m_block(ctx, pipe_qdo, state, work.head_kv * work.group + g,
-                             work.m_block_min + it - g * num_m)
+        for it in cutlass.range(self.num_work_items(work), unroll=1):
+            head, m_block = self.work_item(work, it)
+            self.one_m_block(ctx, pipe_qdo, state, head, m_block)
             state.advance()
         self.epilogue(ctx, mdK, mdV, softmax_scale)
+
+    @staticmethod
+    def num_work_items(work) -> Int32:
+        """(query head, query block) pairs of this K/V block: every query head of its group
+        (GQA), each over the query blocks that see it."""
+        return work.group * (work.m_block_max - work.m_block_min)
+
+    @staticmethod
+    def work_item(work, it: Int32) -> tuple:
+        """(query head, query block) of item ``it``, in the order the consumers and the dQ writer
+        warp both walk (the producer's head / block loops give the same order)."""
+        num_m = work.m_block_max - work.m_block_min
+        g = it // num_m
+        return work.head_kv * work.group + g, work.m_block_min + it - g * num_m
 
     def consumer_ctx(self, smem, tidx):
         """This kernel's MMA partitions, operand fragments and dK / dV accumulators."""
@@ -527,15 +539,12 @@ class FlashBwdSm90:
         copy engine, so the consumer warps neither issue tile_m * d / 4 vector reductions nor wait
         for them."""
         lane = cute.arch.lane_idx()
-        num_m = work.m_block_max - work.m_block_min
-        total = work.group * num_m
+        total = self.num_work_items(work)
         nbytes = self.tile_m * self.hdim * 4
         if total > 0:
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
         for it in cutlass.range(total, unroll=1):
-            g = it // num_m
-            head = work.head_kv * work.group + g
-            m_block = work.m_block_min + it - g * num_m
+            head, m_block = self.work_item(work, it)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
             if lane == 0:
                 gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
