@@ -120,11 +120,17 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
         bounds = self.mask_bounds(ctx, m_block)
-        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            lse2 = sLSE2[ctx.tScS[r, 0][0]]
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                query, key = ctx.tScS[r, c]
-                acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
+        if self.block_needs_mask(bounds):  # edge blocks only (see ``FlashBwdSm90.probs``)
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                lse2 = sLSE2[ctx.tScS[r, 0][0]]
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    query, key = ctx.tScS[r, c]
+                    acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
+        else:
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                lse2 = sLSE2[ctx.tScS[r, 0][0]]
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
 
     @cute.jit
