@@ -23,29 +23,32 @@ from cute_flash.bwd import (
 )
 from cute_flash.fwd import normalize_window
 
-# Scope of the main kernels (see their docstrings): head dims 64, 128 and 256 (= d_v) (GQA, causal,
+# Scope of the main kernels (see their docstrings): head dims 64, 96, 128, 192 and 256 (= d_v) (GQA, causal,
 # windows, varlen and deterministic mode included); softcap below.
 #
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
-# over the warpgroups by rows; d=128 takes 64 and splits dQ by columns (64 each). Either way each
-# consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys x d.
-# d = 256 takes 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``). d = 96 and
-# 192 compile with these tiles (their dQ / dK^T halves need narrower swizzle atoms), but ptxas then
-# serialises every wgmma (a wait after each) and spills ~33 registers, so they are left out.
-SM90_BWD_TILE_M = {64: 128, 128: 64, 256: 64}
-SM90_BWD_TILE_N = {64: 128, 128: 128, 256: 64}
+# over the warpgroups by rows; d=96 and 128 take 64 and split dQ by columns (48 / 64 each). Either
+# way each consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys
+# x d. d = 192 and 256 take 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``).
+# (d = 96 / 192 need the kernel launched with .minnctapersm 1, see FlashBwdSm90.__call__.)
+SM90_BWD_TILE_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
+SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
-# Softcap: d = 128 (narrow kernel; 7 spill stores without ds_stmatrix, none with it) and d = 256
-# (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels only for what has passed
-# the GPU suite (both have).
-SM90_BWD_SOFTCAP_HDIMS = (128, 256)
+# Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
+# it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
+# only for what has passed the GPU suite.
+SM90_BWD_SOFTCAP_HDIMS = (96, 128, 192, 256)
 SM90_BWD_SOFTCAP_GPU_CHECKED = (128, 256)
+# Head dims that have passed the GPU suite (d = 96 / 192: compiled, not yet run on a GPU).
+SM90_BWD_GPU_CHECKED = (64, 128, 256)
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
     """Whether the sm90 backward runs this problem: under ``auto`` (``forced=False``) only what has
     been GPU-checked, under ``CUTE_FLASH_BWD_KERNEL=sm90`` everything it compiles."""
     if hdim not in SM90_BWD_HDIMS or hdim_v != hdim:
+        return False
+    if not forced and hdim not in SM90_BWD_GPU_CHECKED:
         return False
     if softcap:
         return hdim in (SM90_BWD_SOFTCAP_HDIMS if forced else SM90_BWD_SOFTCAP_GPU_CHECKED)
@@ -86,7 +89,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.hdim not in SM90_BWD_HDIMS:
-            raise ValueError(f"sm90 backward: head dim {self.hdim} not supported (64, 128, 256)")
+            raise ValueError(f"sm90 backward: head dim {self.hdim} not supported {SM90_BWD_HDIMS}")
         if not self.tile_m:
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
         if not self.tile_n:

@@ -16,15 +16,15 @@ from cute_flash.bwd_sm90 import BwdSm90Config
 
 VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype=dtype, hdim=d, causal=mode == "causal", local=mode == "local")
-    for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mode in ("plain", "causal", "local")
+    for dtype in ("bf16", "fp16") for d in (64, 96, 128, 192, 256) for mode in ("plain", "causal", "local")
 ] + [
     # Packed (varlen) inputs.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
-    for d in (64, 128, 256) for c in (False, True)
+    for d in (64, 96, 128, 192, 256) for c in (False, True)
 ] + [
-    # Softcap (d = 128, 256): the 1 - tanh^2 factor of every score kept from S (S^T) to dS (dS^T).
+    # Softcap (d >= 96): the 1 - tanh^2 factor of every score kept from S (S^T) to dS (dS^T).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=True)
-    for d in (128, 256) for c in (False, True)
+    for d in (96, 128, 192, 256) for c in (False, True)
 ] + [
     # The narrow kernel's earlier schedule (its switches off: dK before dQ, one dS buffer behind an
     # EMPTY barrier, 2-byte dS stores), still reachable through overrides for tuning.
@@ -36,7 +36,7 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=True,
                   det_descending=desc)
     for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
-                           (256, True, True, True))
+                           (256, True, True, True), (96, True, False, True), (192, False, True, True))
 ]
 
 
@@ -91,10 +91,12 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         spills = len(re.findall(r"\bSTL\b", sass))
         assert spills <= (0 if clean else 12), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
-        # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=64 (128 query rows)
-        # 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16, dP 16, dV^T 8, dK^T 8,
-        # dQ 4.
-        assert hgmma == (52 if cfg.hdim == 256 else 32), f"{hgmma} HGMMA"
+        # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=96 6, 6, 4, 4, 8;
+        # d=64 (128 query rows) 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16,
+        # dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (dK^T / dV^T split by keys: three M slices each) 12,
+        # 12, 12, 12, 4.
+        expect = {64: 32, 96: 28, 128: 32, 192: 52, 256: 52}[cfg.hdim]
+        assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
         if cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
@@ -108,11 +110,11 @@ def test_sm90_bwd_postprocess_compiles() -> None:
 
 def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=96)
+        BwdSm90Config(target="sm_90a", hdim=80)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", tile_n=64)
     with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=192)
+        BwdSm90Config(target="sm_90a", hdim=160)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=64, softcap=True)
 
@@ -141,7 +143,7 @@ GPU_CASES = [
 # (..., softcap, d): softcap 0 unless given; d=64 (no softcap) and d=256 on a few of them.
 GPU_CASES = [c if len(c) == 8 else (*c, 0.0) for c in GPU_CASES]
 GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7, 9)]
-             + [(*GPU_CASES[i], 256) for i in (0, 3, 5, 7, 8, 9)])
+             + [(*GPU_CASES[i], d) for d in (96, 192, 256) for i in (0, 3, 5, 7, 8, 9)])
 
 
 @pytest.mark.gpu
@@ -214,7 +216,7 @@ def test_inspect_reports_the_sm90_backward_family() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True)])
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True), (96, True), (192, False)])
 def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bool) -> None:
     import math
 

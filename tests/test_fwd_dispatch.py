@@ -168,7 +168,7 @@ def test_backward_family_is_sm90_on_hopper_where_it_covers_the_problem(monkeypat
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     dev = torch.device("cpu")
-    uncovered = ((96, 96, 0.0), (192, 192, 0.0), (128, 64, 0.0), (64, 64, 30.0))
+    uncovered = ((192, 128, 0.0), (128, 64, 0.0), (64, 64, 30.0))
     for choice in (None, "auto", "sm90"):
         if choice is None:
             monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
@@ -177,8 +177,13 @@ def test_backward_family_is_sm90_on_hopper_where_it_covers_the_problem(monkeypat
         for d in (64, 128, 256):
             assert bwd.bwd_family(dev, d, d, 0.0) == "sm90"
         assert bwd.bwd_family(dev, 128, 128, 30.0) == "sm90"
-        # d = 256 softcap: compiled, not yet GPU-checked -- only when forced.
-        assert bwd.bwd_family(dev, 256, 256, 30.0) == ("sm90" if choice == "sm90" else "sm80")
+        assert bwd.bwd_family(dev, 256, 256, 30.0) == "sm90"
+        # Compiled but not yet GPU-checked: only when forced.
+        from cute_flash.bwd_sm90 import SM90_BWD_GPU_CHECKED
+
+        for d in (96, 192):
+            expect = "sm90" if choice == "sm90" or d in SM90_BWD_GPU_CHECKED else "sm80"
+            assert bwd.bwd_family(dev, d, d, 0.0) == expect
         for args in uncovered:
             if choice == "sm90":
                 with pytest.raises(ValueError):

@@ -178,7 +178,10 @@ class FlashBwdSm90:
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
                     mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right,
                     Storage).launch(
-            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream)
+            grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
+            # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
+            # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
+            min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
