@@ -216,7 +216,8 @@ def test_inspect_reports_the_sm90_backward_family() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True), (96, True), (192, False)])
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True), (96, True),
+                                      (192, False)])
 def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bool) -> None:
     import math
 
