@@ -38,9 +38,9 @@ SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 # it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
 # only for what has passed the GPU suite.
 SM90_BWD_SOFTCAP_HDIMS = (96, 128, 192, 256)
-SM90_BWD_SOFTCAP_GPU_CHECKED = (128, 256)
-# Head dims that have passed the GPU suite (d = 96 / 192: compiled, not yet run on a GPU).
-SM90_BWD_GPU_CHECKED = (64, 128, 256)
+SM90_BWD_SOFTCAP_GPU_CHECKED = (96, 128, 192, 256)
+# Head dims that have passed the GPU suite (a new one stays forced-only until it has).
+SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
