@@ -29,10 +29,14 @@ from cute_flash.fwd import normalize_window
 # Query-block rows per head dim (FA3's choices): d=64 takes 128 query rows and splits the dQ GEMM
 # over the warpgroups by rows; d=96 and 128 take 64 and split dQ by columns (48 / 64 each). Either
 # way each consumer warpgroup holds S^T and dP^T of 64 keys x tile_m queries plus dK, dV of 64 keys
-# x d. d = 192 and 256 take 64 keys per CTA with dK^T / dV^T (head dim on M; ``hopper/bwd_wide.py``).
+# x d. d = 192 and 256 take 96 / 64 keys per CTA with dK^T / dV^T (head dim on M;
+# ``hopper/bwd_wide.py``): at d = 192, 96 keys (48 per warpgroup, FA3's tile) still fit 240
+# registers and two Q / dO stages; at d = 256, 80 keys would need 228 KiB of smem.
 # (d = 96 / 192 need the kernel launched with .minnctapersm 1, see FlashBwdSm90.__call__.)
 SM90_BWD_TILE_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
-SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
+SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
+# Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack).
+SM90_BWD_TILE_N_SOFTCAP = {192: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 # Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
 # it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
@@ -92,8 +96,11 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: head dim {self.hdim} not supported {SM90_BWD_HDIMS}")
         if not self.tile_m:
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
+        tile_n = SM90_BWD_TILE_N[self.hdim]
+        if self.softcap:
+            tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
         if not self.tile_n:
-            object.__setattr__(self, "tile_n", SM90_BWD_TILE_N[self.hdim])
+            object.__setattr__(self, "tile_n", tile_n)
         if self.dq_warp is None:
             object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
         narrow = self.hdim <= 128
@@ -112,8 +119,8 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
             raise ValueError("sm90 backward: no softcap at head dim 64 (it spills 15-72 registers)")
-        if self.tile_n != SM90_BWD_TILE_N[self.hdim] or self.tile_m not in (64, 128) or self.stages < 1:
-            raise ValueError(f"sm90 backward: tile_n = {SM90_BWD_TILE_N[self.hdim]} at head dim {self.hdim} "
+        if self.tile_n != tile_n or self.tile_m not in (64, 128) or self.stages < 1:
+            raise ValueError(f"sm90 backward: tile_n = {tile_n} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64 or 128")
 
     def build(self):

@@ -50,11 +50,13 @@ BAR_DS_EMPTY = 1
 BAR_DS_FULL = 2
 # Deterministic mode: the consumer threads wait together for the previous K/V block's dQ adds.
 BAR_DQ_ORDER = 3
-# dQ writer warp (``dq_warp``): the consumers (256 threads) and the writer warp (32) hand the fp32
-# dQ tile in smem back and forth: EMPTY once the writer's bulk reduce-add has read it, FULL once
-# the consumers have written it.
-BAR_DQ_EMPTY = 4
-BAR_DQ_FULL = 5
+# dQ writer warp (``dq_warp``): each consumer warpgroup (128 threads) and the writer warp (32) hand
+# that warpgroup's half of the fp32 dQ tile in smem back and forth: EMPTY + wg once the writer's
+# bulk reduce-add has read it, FULL + wg once the warpgroup has written it. Per warpgroup, so the
+# two need not meet here (they already do once per block, at the dS barrier).
+BAR_DQ_EMPTY = 4  # and 5
+BAR_DQ_FULL = 6  # and 7
+DQ_HANDOFF_THREADS = 128 + 32
 NUM_MMA_THREADS = 256
 
 
@@ -563,22 +565,26 @@ class FlashBwdSm90:
         for them."""
         lane = cute.arch.lane_idx()
         total = self.num_work_items(work)
-        nbytes = self.tile_m * self.hdim * 4
+        num_wg = self.num_mma_threads // 128
+        half = self.tile_m * self.hdim // num_wg  # fp32 elements per warpgroup (``frag_chunk_view``)
         if total > 0:
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+            for wg in cutlass.range_constexpr(num_wg):
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
         for it in cutlass.range(total, unroll=1):
             head, m_block = self.work_item(work, it)
-            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
-            if lane == 0:
-                gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
-                                               self.hdim)
-                bwd_math.bulk_reduce_add_f32(gacc.iterator, smem.sdQ.iterator, nbytes)
-                cute.arch.cp_async_bulk_commit_group()
-                # The smem tile may be rewritten once the copy engine has read it.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if it + 1 < total:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+            gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
+                                           self.hdim)
+            for wg in cutlass.range_constexpr(num_wg):
+                cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
+                if lane == 0:
+                    bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half, smem.sdQ.iterator + wg * half,
+                                                 half * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    # The smem half may be rewritten once the copy engine has read it.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                if it + 1 < total:
+                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -597,14 +603,15 @@ class FlashBwdSm90:
             if ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
                 bwd_math.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         if cutlass.const_expr(self.dq_warp):
-            # Hand the tile to the writer warp: wait until it has read the previous one out.
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=self.num_mma_threads + 32)
+            # Hand this warpgroup's half to the writer warp: wait until it has read the previous one.
+            wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
             view = bwd_math.frag_chunk_view(ctx.smem.sdQ, ctx.tidx, self.num_mma_threads)
             for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
                 four = cute.make_tensor(acc_dQ.iterator + 4 * j, cute.make_layout(4))
                 cute.autovec_copy(four, view[None, j])
             cute.arch.fence_view_async_shared()  # generic-proxy writes before the bulk copy reads them
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=self.num_mma_threads + 32)
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
         else:
             gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                            self.hdim)

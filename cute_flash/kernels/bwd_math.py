@@ -114,15 +114,17 @@ def red_add_f32(ptr: cute.Pointer, val: Float32):
     cute.arch.red(ptr, val, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
 
-def frag_chunk_view(chunk: cute.Tensor, tidx: Int32, num_threads: int) -> cute.Tensor:
-    """Thread ``tidx``'s elements of a ``num_threads``-thread fp32 chunk in fragment order: element
-    i of every thread's accumulator at (i // 4) * 4 * num_threads + tidx * 4 + i % 4, returned as a
+def frag_chunk_view(chunk: cute.Tensor, tidx: Int32, num_threads: int, group: int = 128) -> cute.Tensor:
+    """Thread ``tidx``'s elements of a ``num_threads``-thread fp32 chunk in fragment order, per
+    ``group`` of threads (a warpgroup): thread t = g * group + u keeps element i at
+    g * n * group + (i // 4) * 4 * group + u * 4 + i % 4 (n elements per thread), returned as a
     (4, n / 4) view whose flat index is i. Consecutive threads own consecutive 16-byte words, so a
-    warp's vector stores / reductions cover whole 128-byte lines and hit every smem bank once, and
-    the whole chunk is one contiguous range (a single bulk reduce-add)."""
+    warp's vector stores / reductions cover whole 128-byte lines and hit every smem bank once; each
+    warpgroup's part is one contiguous range (one bulk reduce-add per warpgroup, handed over
+    without waiting for the other warpgroup) and so is the whole chunk."""
     n = cute.size(chunk) // num_threads
-    whole = cute.make_tensor(chunk.iterator, cute.make_layout(((4, num_threads), n // 4),
-                                                              stride=((1, 4), 4 * num_threads)))
+    whole = cute.make_tensor(chunk.iterator, cute.make_layout(
+        ((4, (group, num_threads // group)), n // 4), stride=((1, (4, n * group)), 4 * group)))
     return whole[(None, tidx), None]
 
 
