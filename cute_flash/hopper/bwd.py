@@ -584,7 +584,8 @@ class FlashBwdSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
                 if it + 1 < total:
-                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
+                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
+                                             number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
