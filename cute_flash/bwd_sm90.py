@@ -38,6 +38,7 @@ SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 # Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack).
 SM90_BWD_TILE_N_SOFTCAP = {192: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
+SM90_SMEM_BYTES = 227 * 1024
 # Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
 # it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
 # only for what has passed the GPU suite.
@@ -88,6 +89,9 @@ class BwdSm90Config(jit.KernelConfig):
     # Deterministic mode: K/V blocks add dQ in descending order (causal: 1.7-1.8x faster than
     # ascending on the H200, non-causal the same).
     det_descending: bool = True
+    # Grid walked longest CTA first within L2-sized head groups (``FlashBwdSm90.longest_first``;
+    # None = on for causal without varlen or deterministic mode, whose order it would break).
+    lpt: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -104,14 +108,21 @@ class BwdSm90Config(jit.KernelConfig):
         if self.dq_warp is None:
             object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
         narrow = self.hdim <= 128
+        if self.lpt is None:
+            object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
+        if self.lpt and (self.varlen or self.deterministic):
+            raise ValueError("sm90 backward: lpt walks fixed-length grids, not deterministic mode")
         if self.dq_before_dk is None:
             object.__setattr__(self, "dq_before_dk", narrow)
         if self.ds_stmatrix is None:
             object.__setattr__(self, "ds_stmatrix", narrow)
         if not self.ds_stages:
             object.__setattr__(self, "ds_stages", self.stages if narrow else 1)
-        if self.dq_warp and (self.hdim > 128 or self.deterministic):
-            raise ValueError("sm90 backward: the dQ writer warp needs d <= 128, not deterministic")
+        if self.dq_warp and self.deterministic:
+            raise ValueError("sm90 backward: deterministic mode orders dQ adds without the writer warp")
+        if self.smem_bytes() > SM90_SMEM_BYTES:
+            raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
+                             f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
         if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix are narrow-kernel "
                              "(d <= 128) switches")
@@ -122,6 +133,16 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_n != tile_n or self.tile_m not in (64, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {tile_n} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64 or 128")
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
+        elem, d, tm, tn = 2, self.hdim, self.tile_m, self.tile_n
+        tiles = [self.stages * tm * d * elem] * 2 + [tn * d * elem] * 2
+        # dS (narrow: per dS stage); the wide kernel also keeps P.
+        tiles += [tm * tn * elem] * (self.ds_stages if self.hdim <= 128 else 2)
+        total = sum((t + 1023) // 1024 * 1024 for t in tiles)
+        total += 2 * self.stages * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
+        return total + (tm * d * 4 if self.dq_warp else 0)
 
     def build(self):
         if self.hdim > 128:
@@ -155,6 +176,16 @@ class BwdSm90PostConfig(jit.KernelConfig):
     varlen: bool = False
 
     kernel_name = "bwd_post_sm90"
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
+        elem, d, tm, tn = 2, self.hdim, self.tile_m, self.tile_n
+        tiles = [self.stages * tm * d * elem] * 2 + [tn * d * elem] * 2
+        # dS (narrow: per dS stage); the wide kernel also keeps P.
+        tiles += [tm * tn * elem] * (self.ds_stages if self.hdim <= 128 else 2)
+        total = sum((t + 1023) // 1024 * 1024 for t in tiles)
+        total += 2 * self.stages * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
+        return total + (tm * d * 4 if self.dq_warp else 0)
 
     def build(self):
         from cute_flash.hopper.bwd import FlashBwdPostSm90

@@ -58,6 +58,8 @@ BAR_DQ_EMPTY = 4  # and 5
 BAR_DQ_FULL = 6  # and 7
 DQ_HANDOFF_THREADS = 128 + 32
 NUM_MMA_THREADS = 256
+# L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take.
+LPT_L2_BYTES = 40 * 1024 * 1024
 
 
 def dq_tiled_mma(dtype, tile_m: int, hdim: int):
@@ -83,6 +85,7 @@ class FlashBwdSm90:
         self.dq_warp = cfg.dq_warp
         self.dq_before_dk, self.ds_stages, self.ds_stmatrix = cfg.dq_before_dk, cfg.ds_stages, cfg.ds_stmatrix
         self.det_descending = cfg.det_descending
+        self.lpt = cfg.lpt
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -217,6 +220,9 @@ class FlashBwdSm90:
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
         n_block, head_kv, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.lpt):
+            rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
+            n_block, head_kv = self.longest_first(n_block, head_kv, rows)
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
         if cutlass.const_expr(self.deterministic and self.det_descending):
             # Descending dQ order: CTA n waits for CTA n + 1, so the last key block must launch
@@ -290,6 +296,26 @@ class FlashBwdSm90:
             # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
             state = self.load_head(mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
                                    work.head_kv * work.group + g, state)
+
+    @cute.jit
+    def longest_first(self, x: Int32, y: Int32, q_rows_per_kv_head: Int32) -> tuple:
+        """(n_block, head_kv) of the CTA with grid coordinates (x, y) under ``lpt``: CTAs start in
+        blockIdx order, so walk the K/V heads in groups whose Q, dO and dQ accumulator fit in L2
+        together, and within a group all heads' first key blocks, then their second ones, and so
+        on. In causal attention key block n sees the most query blocks at n = 0, so the longest
+        CTAs start first and the last wave is the shortest (with blocks ordered per head, the last
+        head's longest CTA started near the end and ran alone)."""
+        num_n, num_h, _ = cute.arch.grid_dim()
+        # Q + dO (16 bit) + dQ accumulator (fp32): hdim * 8 bytes per query row (divided first:
+        # rows * bytes can pass 2^31 at long sequences).
+        rows_in_l2 = Int32(LPT_L2_BYTES // (self.hdim * 8))
+        group = cutlass.max(cutlass.min(rows_in_l2 // q_rows_per_kv_head, num_h), 1)
+        lin = x + num_n * y
+        g = lin // (num_n * group)
+        rest = lin - g * num_n * group
+        in_group = cutlass.min(group, num_h - g * group)
+        n_block = rest // in_group
+        return n_block, g * group + rest - n_block * in_group
 
     @cute.jit
     def load_head(self, mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head,
