@@ -35,6 +35,10 @@ from cute_flash.fwd import normalize_window
 # (d = 96 / 192 need the kernel launched with .minnctapersm 1, see FlashBwdSm90.__call__.)
 SM90_BWD_TILE_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
 SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
+# The dQ writer warp (``BwdSm90Config.dq_warp``), measured on the H200 at N = 8k: at d = 256 it
+# is worth its 64 KiB of smem even with a single Q / dO stage (+9% / +10% non-causal / causal);
+# at d = 192 (single stage too) it is not (-5% / +4%).
+SM90_BWD_DQ_WARP = {64: True, 96: True, 128: True, 192: False, 256: True}
 # Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack).
 SM90_BWD_TILE_N_SOFTCAP = {192: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
@@ -74,10 +78,11 @@ class BwdSm90Config(jit.KernelConfig):
     deterministic: bool = False
     tile_m: int = 0
     tile_n: int = 0
-    stages: int = 2
+    # Q / dO pipeline depth (0 = 2, or 1 where the dQ writer warp's tile needs the smem: d = 256).
+    stages: int = 0
     # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
-    # reduce-add from smem (narrow kernel; d = 256 has no smem left for the tile and, like
-    # deterministic mode, lets the consumers issue vector reductions).
+    # reduce-add from smem (None = ``SM90_BWD_DQ_WARP``; deterministic mode, and d = 192, let the
+    # consumers issue vector reductions instead).
     dq_warp: bool | None = None
     # Narrow kernel schedule (after flash-attn-4's sm90 backward; None = on for d <= 128): issue dQ
     # before dK and hand the dQ tile over while dK runs; double-buffer dS per Q/dO stage (0 = the
@@ -106,7 +111,11 @@ class BwdSm90Config(jit.KernelConfig):
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
         if self.dq_warp is None:
-            object.__setattr__(self, "dq_warp", self.hdim <= 128 and not self.deterministic)
+            object.__setattr__(self, "dq_warp", SM90_BWD_DQ_WARP[self.hdim] and not self.deterministic)
+        if not self.stages:
+            object.__setattr__(self, "stages", 2)
+            if self.smem_bytes() > SM90_SMEM_BYTES:
+                object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
@@ -139,7 +148,7 @@ class BwdSm90Config(jit.KernelConfig):
         elem, d, tm, tn = 2, self.hdim, self.tile_m, self.tile_n
         tiles = [self.stages * tm * d * elem] * 2 + [tn * d * elem] * 2
         # dS (narrow: per dS stage); the wide kernel also keeps P.
-        tiles += [tm * tn * elem] * (self.ds_stages if self.hdim <= 128 else 2)
+        tiles += [tm * tn * elem] * ((self.ds_stages or self.stages) if self.hdim <= 128 else 2)
         total = sum((t + 1023) // 1024 * 1024 for t in tiles)
         total += 2 * self.stages * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
         return total + (tm * d * 4 if self.dq_warp else 0)
@@ -176,16 +185,6 @@ class BwdSm90PostConfig(jit.KernelConfig):
     varlen: bool = False
 
     kernel_name = "bwd_post_sm90"
-
-    def smem_bytes(self) -> int:
-        """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
-        elem, d, tm, tn = 2, self.hdim, self.tile_m, self.tile_n
-        tiles = [self.stages * tm * d * elem] * 2 + [tn * d * elem] * 2
-        # dS (narrow: per dS stage); the wide kernel also keeps P.
-        tiles += [tm * tn * elem] * (self.ds_stages if self.hdim <= 128 else 2)
-        total = sum((t + 1023) // 1024 * 1024 for t in tiles)
-        total += 2 * self.stages * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
-        return total + (tm * d * 4 if self.dq_warp else 0)
 
     def build(self):
         from cute_flash.hopper.bwd import FlashBwdPostSm90

@@ -62,7 +62,7 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
                "setmaxnreg.dec", "ex2.approx"):
         assert _count(ptx, op) > 0, f"no {op} in the PTX"
     # dQ: one bulk reduce-add per query block from the writer warp, or 16-byte vector reductions
-    # from the consumers (d = 256, deterministic mode) -- never scalar ones.
+    # from the consumers (d = 192, deterministic mode) -- never scalar ones.
     dq_op = ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" if cfg.dq_warp
              else "red.relaxed.gpu.global.add.v4.f32")
     assert _count(ptx, dq_op) > 0, f"no {dq_op} in the PTX"

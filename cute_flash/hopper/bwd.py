@@ -16,7 +16,7 @@ dS^T feed their GEMMs straight from registers):
 dQ of a query block goes into the fp32 accumulator (one chunk per query block of the sm80
 backward's padded scratch, in the dQ MMA's fragment order): the consumers write it to smem and a
 writer warp of the producer warpgroup adds the tile with one bulk reduce-add (``dq_warp``), or the
-consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode). The sm80
+consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode, d = 192). The sm80
 preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
 it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
 of every query head of its group, so dK and dV sum over the group in registers. Causal and

@@ -9,7 +9,7 @@ of the head dim (64 registers each per thread), and S, dP keep the queries on M:
     P  = exp2(S c - LSE2), dS = P (dP - D)      (per query row: 2 LSE2 / D values per thread)
     P, dS -> smem (both halves are needed by every warpgroup below)
     dV^T += dO^T P            dK^T += Q^T dS     (SS, both operands MN-major views of smem)
-    dQ    = dS K              (SS, head dim split over the warpgroups), red.add.v4 into fp32
+    dQ    = dS K              (SS, head dim split over the warpgroups), into fp32 (writer warp or red.add.v4)
 
 Producer, pipelines, GQA / varlen / window / deterministic handling and the dQ accumulation are
 the narrow kernel's (this class derives from it).
