@@ -43,6 +43,10 @@ SM90_BWD_DQ_WARP = {64: True, 96: True, 128: True, 192: False, 256: True}
 SM90_BWD_TILE_N_SOFTCAP = {192: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 SM90_SMEM_BYTES = 227 * 1024
+# d_v != d: (192, 128) (DeepSeek-style MLA prefill heads) in the wide kernel, whose dV^T keeps the
+# head dim on M, so a narrower V only shortens it (48 fp32 registers instead of 72).
+SM90_BWD_NARROW_V = {192: 128}
+SM90_BWD_GPU_CHECKED_V: tuple = ()  # compiled, not yet run on a GPU: forced-only
 # Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
 # it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
 # only for what has passed the GPU suite.
@@ -55,9 +59,10 @@ SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
     """Whether the sm90 backward runs this problem: under ``auto`` (``forced=False``) only what has
     been GPU-checked, under ``CUTE_FLASH_BWD_KERNEL=sm90`` everything it compiles."""
-    if hdim not in SM90_BWD_HDIMS or hdim_v != hdim:
+    if hdim not in SM90_BWD_HDIMS or hdim_v not in (hdim, SM90_BWD_NARROW_V.get(hdim)):
         return False
-    if not forced and hdim not in SM90_BWD_GPU_CHECKED:
+    if not forced and (hdim not in SM90_BWD_GPU_CHECKED
+                       or (hdim_v != hdim and (hdim, hdim_v) not in SM90_BWD_GPU_CHECKED_V)):
         return False
     if softcap:
         return hdim in (SM90_BWD_SOFTCAP_HDIMS if forced else SM90_BWD_SOFTCAP_GPU_CHECKED)
@@ -71,6 +76,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     dtype: str = "bf16"
     hdim: int = 128
+    hdim_v: int = 0  # 0 = hdim
     causal: bool = False
     local: bool = False
     softcap: bool = False
@@ -103,6 +109,11 @@ class BwdSm90Config(jit.KernelConfig):
     def __post_init__(self) -> None:
         if self.hdim not in SM90_BWD_HDIMS:
             raise ValueError(f"sm90 backward: head dim {self.hdim} not supported {SM90_BWD_HDIMS}")
+        if not self.hdim_v:
+            object.__setattr__(self, "hdim_v", self.hdim)
+        if self.hdim_v not in (self.hdim, SM90_BWD_NARROW_V.get(self.hdim)):
+            raise ValueError(f"sm90 backward: d_v = {self.hdim_v} with d = {self.hdim} (d_v = d, or "
+                             f"{SM90_BWD_NARROW_V})")
         if not self.tile_m:
             object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
         tile_n = SM90_BWD_TILE_N[self.hdim]
@@ -145,8 +156,8 @@ class BwdSm90Config(jit.KernelConfig):
 
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
-        elem, d, tm, tn = 2, self.hdim, self.tile_m, self.tile_n
-        tiles = [self.stages * tm * d * elem] * 2 + [tn * d * elem] * 2
+        elem, d, dv, tm, tn = 2, self.hdim, self.hdim_v or self.hdim, self.tile_m, self.tile_n
+        tiles = [self.stages * tm * d * elem, self.stages * tm * dv * elem, tn * d * elem, tn * dv * elem]
         # dS (narrow: per dS stage); the wide kernel also keeps P.
         tiles += [tm * tn * elem] * ((self.ds_stages or self.stages) if self.hdim <= 128 else 2)
         total = sum((t + 1023) // 1024 * 1024 for t in tiles)
@@ -163,7 +174,7 @@ class BwdSm90Config(jit.KernelConfig):
         return FlashBwdSm90(self)
 
     def pre(self) -> BwdPreConfig:
-        return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim,
+        return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
                             tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic)
 
     def post(self) -> BwdSm90PostConfig:
@@ -172,7 +183,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         """The sm80 main backward's arguments (``bwd.bwd_main_fake_args``)."""
-        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim, self.varlen, self.deterministic)
+        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen, self.deterministic)
 
 
 @dataclass(frozen=True)
@@ -204,16 +215,13 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  overrides: dict | None = None) -> None:
     """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
     ``bwd.run_bwd`` (which calls it on Hopper); writes ``dq``, ``dk``, ``dv``. ``overrides``:
-    BwdSm90Config fields (tuning scripts). Not reached from the public API yet (the tests
-    call it directly)."""
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError("sm90 backward: d_v = d_qk only")
+    BwdSm90Config fields (tuning scripts)."""
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
     num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], causal=causal, local=local,
-                        softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
+    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                        local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
                         **(overrides or {}))
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)

@@ -135,11 +135,10 @@ def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
     """The FA3-style backward: main kernel + postprocess (the preprocess is the sm80 one)."""
     from cute_flash.bwd_sm90 import BwdSm90Config
 
-    if variant.dv != variant.hdim:
-        raise ValueError("the sm90 backward covers d_v = d only")
     cfg = BwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
-                        causal=variant.causal, local=variant.local, softcap=variant.softcap,
-                        varlen=variant.varlen, deterministic=variant.deterministic)
+                        hdim_v=variant.dv, causal=variant.causal, local=variant.local,
+                        softcap=variant.softcap, varlen=variant.varlen,
+                        deterministic=variant.deterministic)
     return [cfg.pre(), cfg, cfg.post()]
 
 

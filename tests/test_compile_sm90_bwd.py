@@ -32,6 +32,12 @@ VARIANTS = [
                   ds_stages=1, ds_stmatrix=False)
     for d, c, sc in ((64, False, False), (128, True, False), (128, False, True))
 ] + [
+    # d_v != d: (192, 128) in the wide kernel.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=192, hdim_v=128, causal=c, varlen=vl, softcap=sc,
+                  deterministic=det)
+    for c, vl, sc, det in ((False, False, False, False), (True, True, False, False),
+                           (True, False, True, False), (False, False, False, True))
+] + [
     # Deterministic dQ (ordered accumulation through semaphores), ascending and descending order.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=True,
                   det_descending=desc)
@@ -50,7 +56,8 @@ def _id(cfg: BwdSm90Config) -> str:
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
-    return "-".join([cfg.dtype, f"d{cfg.hdim}", mode, *flags])
+    dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
+    return "-".join([cfg.dtype, dims, mode, *flags])
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -94,8 +101,10 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=96 6, 6, 4, 4, 8;
         # d=64 (128 query rows) 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16,
         # dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (96 keys; dK^T / dV^T split by keys: three M slices
-        # each) 12, 12, 12, 12, 6.
+        # each) 12, 12, 12, 12, 6; (192, 128): dP 8 and dV^T 8 (two slices) instead of 12 each.
         expect = {64: 32, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52, 256: 52}[cfg.hdim]
+        if cfg.hdim_v != cfg.hdim:
+            expect -= 8
         assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
@@ -155,6 +164,14 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [(*GPU_CASES[i][:8], (192, 128)) for i in (0, 3, 5, 7, 8, 9)])
+def test_sm90_bwd_narrow_v_gradients_within_twice_pytorch_error(case: tuple) -> None:
+    """d_v != d, (192, 128): dP, dV^T and the dO / V tiles at 128, Q / K / dQ / dK at 192."""
+    _check_gradients(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("switches", [dict(dq_before_dk=False, ds_stages=1, ds_stmatrix=False),
                                       dict(ds_stmatrix=False)],
                          ids=["old-schedule", "ds-2byte-stores"])
@@ -176,12 +193,13 @@ def _check_gradients(case: tuple, overrides: dict | None = None, deterministic: 
     from cute_flash.reference import attention_ref
 
     B, Nq, Nk, H, Hkv, causal, window, softcap, d = case
+    d, dv = d if isinstance(d, tuple) else (d, d)  # (d, d_v) where they differ
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, Nq, H, d, device=dev, dtype=dt)
     k = torch.randn(B, Nk, Hkv, d, device=dev, dtype=dt)
-    v = torch.randn(B, Nk, Hkv, d, device=dev, dtype=dt)
-    do = torch.randn(B, Nq, H, d, device=dev, dtype=dt)
+    v = torch.randn(B, Nk, Hkv, dv, device=dev, dtype=dt)
+    do = torch.randn(B, Nq, H, dv, device=dev, dtype=dt)
     scale = 1.0 / math.sqrt(d)
     kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
     out, lse = attention_ref(q, k, v, **kw)

@@ -168,7 +168,7 @@ def test_backward_family_is_sm90_on_hopper_where_it_covers_the_problem(monkeypat
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     dev = torch.device("cpu")
-    uncovered = ((192, 128, 0.0), (128, 64, 0.0), (64, 64, 30.0))
+    uncovered = ((128, 64, 0.0), (256, 128, 0.0), (64, 64, 30.0))
     for choice in (None, "auto", "sm90"):
         if choice is None:
             monkeypatch.delenv(bwd.BWD_KERNEL_ENV, raising=False)
@@ -184,6 +184,10 @@ def test_backward_family_is_sm90_on_hopper_where_it_covers_the_problem(monkeypat
         for d in (96, 192):
             expect = "sm90" if choice == "sm90" or d in SM90_BWD_GPU_CHECKED else "sm80"
             assert bwd.bwd_family(dev, d, d, 0.0) == expect
+        from cute_flash.bwd_sm90 import SM90_BWD_GPU_CHECKED_V
+
+        expect = "sm90" if choice == "sm90" or (192, 128) in SM90_BWD_GPU_CHECKED_V else "sm80"
+        assert bwd.bwd_family(dev, 192, 128, 0.0) == expect
         for args in uncovered:
             if choice == "sm90":
                 with pytest.raises(ValueError):

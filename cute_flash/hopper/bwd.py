@@ -79,6 +79,8 @@ class FlashBwdSm90:
         self.cfg = cfg
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim = cfg.hdim
+        # V / dO / dV head dim (= hdim but in the wide kernel's (192, 128)).
+        self.hdim_v = cfg.hdim_v
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
@@ -89,9 +91,9 @@ class FlashBwdSm90:
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
-        self.tx_kv = 2 * self.tile_n * self.hdim * elem
+        self.tx_kv = self.tile_n * (self.hdim + self.hdim_v) * elem
         # Q and dO of a query block plus its LSE2 and D rows (fp32), all on one mbarrier.
-        self.tx_qdo = 2 * self.tile_m * self.hdim * elem + 2 * self.tile_m * 4
+        self.tx_qdo = self.tile_m * (self.hdim + self.hdim_v) * elem + 2 * self.tile_m * 4
 
     # ------------------------------------------------------------------------------------------
     # Layouts and MMAs
@@ -173,9 +175,9 @@ class FlashBwdSm90:
         tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]),
                                                     (self.tile_m, self.hdim))
         tma_dO, mdO_tma = cpasync.make_tiled_tma_atom(g2s, mdO, cute.select(self.sdO_layout, mode=[0, 1]),
-                                                      (self.tile_m, self.hdim))
+                                                      (self.tile_m, self.hdim_v))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
-        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim))
+        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
         num_batch, seqlen_k = common.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
@@ -280,7 +282,7 @@ class FlashBwdSm90:
         one = cute.make_layout(1)
         gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
                              (work.n_block, 0))
-        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim),
+        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim_v),
                              (work.n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
@@ -327,7 +329,7 @@ class FlashBwdSm90:
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         one = cute.make_layout(1)
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim_v), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
@@ -651,15 +653,18 @@ class FlashBwdSm90:
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
         free now) -> 16-byte row stores of the rows of this K/V block that exist."""
         coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
-        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, transposed=False)
+        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
+                       transposed=False)
 
     @cute.jit
-    def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords, transposed: cutlass.Constexpr[bool]):
-        """Write the dK / dV accumulators (element i at ``coords[i]``: (key, col), or (col, key)
+    def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords_k, coords_v,
+                  transposed: cutlass.Constexpr[bool]):
+        """Write the dK / dV accumulators (element i at ``coords_*[i]``: (key, col), or (col, key)
         when ``transposed``) into sK / sV, then store whole rows."""
         # Every consumer warpgroup is done with K and V (its last GEMMs were waited for).
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        for sT, acc, scale in ((sK, ctx.acc_dK, softmax_scale), (sV, ctx.acc_dV, Float32(1.0))):
+        for sT, acc, scale, coords in ((sK, ctx.acc_dK, softmax_scale, coords_k),
+                                       (sV, ctx.acc_dV, Float32(1.0), coords_v)):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 a, b = coords[i]
                 if cutlass.const_expr(transposed):
@@ -668,11 +673,11 @@ class FlashBwdSm90:
                     sT[a, b] = (acc[i] * scale).to(self.dtype)
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        copy = common.r2g_tiled_copy(self.dtype, self.hdim, self.num_mma_threads)
-        for mT, sT in ((mdK, sK), (mdV, sV)):
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, self.hdim),
+        for mT, sT, width in ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)):
+            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
+            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
                                  (ctx.n_block, 0))
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, self.hdim, rows_left)
+            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
 
 
 class FlashBwdPostSm90:

@@ -31,16 +31,16 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     """(The narrow kernel's ``dq_before_dk`` / ``ds_stages`` switches do not apply here.)"""
 
     def _setup(self) -> None:
-        d, tm, tn = self.hdim, self.tile_m, self.tile_n
+        d, dv, tm, tn = self.hdim, self.hdim_v, self.tile_m, self.tile_n
         self.sQ_layout = self._smem(tm, d, self.num_stages)
-        self.sdO_layout = self._smem(tm, d, self.num_stages)
+        self.sdO_layout = self._smem(tm, dv, self.num_stages)
         # dK^T / dV^T split over the warpgroups by head-dim rows where d is a multiple of 128 (two
         # 64-row slices each), else by keys (d = 192: every warpgroup all 192 rows, half the keys,
         # reading its key half of P^T / dS^T as its own MN-major operand).
         self.dkv_by_keys = d % 128 != 0
         kv_half = tn // 2 if self.dkv_by_keys else tn
         self.sK_layout = self._smem(tn, d, None, atom_cols=d // 2)
-        self.sV_layout = self._smem(tn, d, None)
+        self.sV_layout = self._smem(tn, dv, None)
         self.sP_layout = self._smem(tm, tn, None, atom_cols=kv_half)
         self.sdS_layout = self._smem(tm, tn, None, atom_cols=kv_half)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -65,7 +65,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         thr_dq = self.mma_dq.get_slice(tidx)
         wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg * 128) for m in (self.mma_sdp, self.mma_dkv, self.mma_dq))
         sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
-        shape_dkv = thr_dkv.partition_shape_C((self.hdim, self.tile_n))
+        shape_dk = thr_dkv.partition_shape_C((self.hdim, self.tile_n))
+        shape_dv = thr_dkv.partition_shape_C((self.hdim_v, self.tile_n))
         return common.Ctx(
             thr_sdp=thr_sdp, thr_dq=thr_dq, thr_dkv=thr_dkv,
             tSrQ=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sQ)),
@@ -79,8 +80,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
             tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
             tSsP=thr_sdp.partition_C(smem.sP), tSsdS=thr_sdp.partition_C(smem.sdS),
-            acc_dK=cute.make_rmem_tensor(shape_dkv, Float32),
-            acc_dV=cute.make_rmem_tensor(shape_dkv, Float32),
+            acc_dK=cute.make_rmem_tensor(shape_dk, Float32),
+            acc_dV=cute.make_rmem_tensor(shape_dv, Float32),
             # (query, key) of each S element of this thread, within the tile.
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))))
 
@@ -146,5 +147,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK^T (scaled) and dV^T back to (key, head dim) rows through K's and V's smem buffers."""
-        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
-        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, transposed=True)
+        coords_k = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
+        coords_v = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim_v, self.tile_n)))
+        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords_k, coords_v,
+                       transposed=True)
