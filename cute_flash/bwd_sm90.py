@@ -84,6 +84,8 @@ class BwdSm90Config(jit.KernelConfig):
     deterministic: bool = False
     tile_m: int = 0
     tile_n: int = 0
+    # tile_m: 0 = ``SM90_BWD_TILE_M``; 80 at d = 128 is FA3's non-causal tile (dQ^T computed with the
+    # head dim on M, ``hopper.bwd.dq_swapab``): compiled with no spills, not yet GPU-checked.
     # Q / dO pipeline depth (0 = 2, or 1 where the dQ writer warp's tile needs the smem: d = 256).
     stages: int = 0
     # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
@@ -135,7 +137,8 @@ class BwdSm90Config(jit.KernelConfig):
         if self.dq_before_dk is None:
             object.__setattr__(self, "dq_before_dk", narrow)
         if self.ds_stmatrix is None:
-            object.__setattr__(self, "ds_stmatrix", narrow)
+            # (At tile_m = 80 the stmatrix path costs the registers that keep the wgmmas async.)
+            object.__setattr__(self, "ds_stmatrix", narrow and self.tile_m % 64 == 0)
         if not self.ds_stages:
             object.__setattr__(self, "ds_stages", self.stages if narrow else 1)
         if self.dq_warp and self.deterministic:
@@ -150,9 +153,12 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
             raise ValueError("sm90 backward: no softcap at head dim 64 (it spills 15-72 registers)")
-        if self.tile_n != tile_n or self.tile_m not in (64, 128) or self.stages < 1:
+        if self.tile_n != tile_n or self.tile_m not in (64, 80, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {tile_n} at head dim {self.hdim} "
-                             "(the warpgroups' key / head-dim split), tile_m 64 or 128")
+                             "(the warpgroups' key / head-dim split), tile_m 64, 80 or 128")
+        if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
+            raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
+                             "two warpgroups) needs d = 128, no softcap (it spills 37 registers)")
 
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""

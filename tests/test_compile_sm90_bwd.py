@@ -32,6 +32,10 @@ VARIANTS = [
                   ds_stages=1, ds_stmatrix=False)
     for d, c, sc in ((64, False, False), (128, True, False), (128, False, True))
 ] + [
+    # 80-row query blocks at d = 128 (dQ^T with the head dim on M).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, causal=c, varlen=vl, deterministic=det)
+    for c, vl, det in ((False, False, False), (True, True, False), (False, False, True))
+] + [
     # d_v != d: (192, 128) in the wide kernel.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=192, hdim_v=128, causal=c, varlen=vl, softcap=sc,
                   deterministic=det)
@@ -57,6 +61,7 @@ def _id(cfg: BwdSm90Config) -> str:
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
+    dims += f"-m{cfg.tile_m}" if cfg.tile_m == 80 else ""
     return "-".join([cfg.dtype, dims, mode, *flags])
 
 
@@ -103,6 +108,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         # dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (96 keys; dK^T / dV^T split by keys: three M slices
         # each) 12, 12, 12, 12, 6; (192, 128): dP 8 and dV^T 8 (two slices) instead of 12 each.
         expect = {64: 32, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52, 256: 52}[cfg.hdim]
+        if cfg.tile_m == 80:  # dV, dK over 80 queries: 5 k16 steps each instead of 4
+            expect += 2
         if cfg.hdim_v != cfg.hdim:
             expect -= 8
         assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
@@ -126,6 +133,12 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=160)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=64, softcap=True)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=64, tile_m=80)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, softcap=True)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=128, hdim_v=64)
 
 
 def _hopper() -> bool:
@@ -168,6 +181,15 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
 def test_sm90_bwd_narrow_v_gradients_within_twice_pytorch_error(case: tuple) -> None:
     """d_v != d, (192, 128): dP, dV^T and the dO / V tiles at 128, Q / K / dQ / dK at 192."""
     _check_gradients(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 1, 2, 3, 5, 7, 9)])
+def test_sm90_bwd_80_query_rows_keep_gradients_within_twice_pytorch_error(case: tuple) -> None:
+    """tile_m = 80 at d = 128: dQ^T = K^T dS^T (head dim on M), read back transposed by the
+    postprocess; query blocks that straddle 64-row boundaries."""
+    _check_gradients(case, overrides=dict(tile_m=80))
 
 
 @pytest.mark.gpu

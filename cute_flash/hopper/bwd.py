@@ -64,14 +64,29 @@ LPT_L2_BYTES = 40 * 1024 * 1024
 
 def dq_tiled_mma(dtype, tile_m: int, hdim: int):
     """dQ = dS K: M = the query block, N = head dim, K = keys (dS K-major, K^T MN-major); the two
-    consumer warpgroups split it by columns (64 query rows) or by rows (128). The postprocess
-    reads the accumulator chunks in this MMA's fragment order, so it builds the same one."""
+    consumer warpgroups split it by columns (64 query rows) or by rows (128). A query block that is
+    not a multiple of 64 rows (80: FA3's non-causal d = 128 tile) cannot be wgmma's M, so there the
+    MMA computes dQ^T = K^T dS^T instead (``dq_swapab``): M = head dim (64 rows per warpgroup),
+    N = the query block, A = K^T (MN-major), B = dS (K-major). The postprocess reads the accumulator
+    chunks in this MMA's fragment order, so it builds the same one."""
     K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    if dq_swapab(tile_m):
+        return sm90_utils.make_trivial_tiled_mma(dtype, dtype, MN, K, Float32,
+                                                 atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tile_m))
     if tile_m == 64:
         return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32,
                                                  atom_layout_mnk=(1, 2, 1), tiler_mn=(64, hdim // 2))
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32,
                                              atom_layout_mnk=(2, 1, 1), tiler_mn=(64, hdim))
+
+
+def dq_swapab(tile_m: int) -> bool:
+    return tile_m % 64 != 0
+
+
+def dq_acc_shape(tile_m: int, hdim: int) -> tuple:
+    """(M, N) of the dQ MMA's accumulator: (queries, head dim), or transposed under ``dq_swapab``."""
+    return (hdim, tile_m) if dq_swapab(tile_m) else (tile_m, hdim)
 
 
 class FlashBwdSm90:
@@ -114,7 +129,7 @@ class FlashBwdSm90:
         self.sQ_layout = self._smem(tm, d, self.num_stages)
         self.sdO_layout = self._smem(tm, d, self.num_stages)
         # With 64 query rows the dQ GEMM splits the head dim over the warpgroups (K^T halves).
-        self.sK_layout = self._smem(tn, d, None, atom_cols=d // 2 if tm == 64 else d)
+        self.sK_layout = self._smem(tn, d, None, atom_cols=d if tm == 128 else d // 2)
         self.sV_layout = self._smem(tn, d, None)
         # dS as (queries, keys), K-major for the dQ GEMM. (A (keys, queries) tile read MN-major
         # would make the dS^T stores 32-bit and conflict-free, but gave wrong dQ on the H200 --
@@ -407,8 +422,7 @@ class FlashBwdSm90:
             tdPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO)),
             tdVrdOt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt)),
             tdKrQt=wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt)),
-            tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
-            tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
+            **self.dq_operands(wg_dq, smem),
             # dS^T written into smem through the S^T accumulator's (key, query) coordinates.
             tSsdSt=thr_sdp.partition_C(transpose_smem(smem.sdS)),
             **self.ds_store_ctx(smem, tidx),
@@ -416,6 +430,21 @@ class FlashBwdSm90:
             acc_dV=cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32),
             # (key, query) of each S^T element of this thread, within the tile.
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))))
+
+    def dq_operands(self, wg_dq, smem) -> dict:
+        """dS and K^T as the dQ MMA's operands: A and B, or B and A under ``dq_swapab``."""
+        sKt = transpose_smem(smem.sK)
+        if cutlass.const_expr(dq_swapab(self.tile_m)):
+            return dict(tdQrdS=wg_dq.make_fragment_B(wg_dq.partition_B(smem.sdS)),
+                        tdQrKt=wg_dq.make_fragment_A(wg_dq.partition_A(sKt)))
+        return dict(tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
+                    tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(sKt)))
+
+    def dq_gemm(self, acc_dQ, tdQrdS, tdQrKt, wg_wait: int):
+        if cutlass.const_expr(dq_swapab(self.tile_m)):
+            wg_gemm(self.mma_dq, acc_dQ, tdQrKt, tdQrdS, zero_init=True, wg_wait=wg_wait)
+        else:
+            wg_gemm(self.mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True, wg_wait=wg_wait)
 
     def ds_store_ctx(self, smem, tidx) -> dict:
         """``ds_stmatrix``: dS^T leaves the S^T accumulator layout through transposing ``stmatrix``
@@ -468,17 +497,18 @@ class FlashBwdSm90:
                 tSsdSt[i] = rdS[i]
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
-        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C(dq_acc_shape(self.tile_m, self.hdim)),
+                                       Float32)
         if cutlass.const_expr(self.dq_before_dk):
             # dQ, then dK: once dQ is done (dK may still run) its tile goes out under dK.
-            wg_gemm(self.mma_dq, acc_dQ, tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=-1)
+            self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=-1)
             wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
                     zero_init=False, wg_wait=1)
             self.store_dq(ctx, acc_dQ, head, m_block)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
-            wg_gemm(self.mma_dq, acc_dQ, tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
+            self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=0)
             # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
             # pass the next block's EMPTY barrier).
             pipe_qdo.consumer_release(state)
@@ -715,8 +745,10 @@ class FlashBwdPostSm90:
         for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
             cute.autovec_copy(view[None, j], cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)))
         coords = dq_tiled_mma(self.dtype, self.tile_m, self.hdim).get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.hdim)))
+            cute.make_identity_tensor(dq_acc_shape(self.tile_m, self.hdim)))
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, col = coords[i]
+            if cutlass.const_expr(dq_swapab(self.tile_m)):
+                col, row = row, col  # dQ^T: (head dim, query)
             if row < rows_left:
                 gdQ[row, col] = (acc[i] * softmax_scale).to(self.dtype)
