@@ -18,9 +18,12 @@ for p in "${parts[@]}"; do
       cat /tmp/shards/shard_*.log > "$OUT/tests_all.log" 2>/dev/null
       cut -c1-200 "$OUT/tests_summary.txt" ;;
     tune)
-      timeout "${TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 128 64 --seqlen 8192 \
-        --variant "dq_before_dk=1" "ds_stages=2" "ds_stmatrix=1" "dq_before_dk=1,ds_stages=2,ds_stmatrix=1" \
-        "deterministic=1" "deterministic=1,det_descending=1" > "$OUT/tune.log" 2>&1
+      # Candidates not yet measured: FA3's 80-row non-causal d=128 tile; the dQ writer warp at
+      # d = 192 and (192, 128) (two stages fit at (192, 128)).
+      { timeout "${TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 128 --seqlen 2048 8192 \
+          --causal 0 --variant "tile_m=80"
+        timeout "${TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 192 192x128 --seqlen 8192 \
+          --variant "dq_warp=1" "dq_warp=1,stages=1"; } > "$OUT/tune.log" 2>&1
       echo "== tune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune.log" ;;
     bench)

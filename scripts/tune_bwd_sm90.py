@@ -41,7 +41,7 @@ def peer_bwd(name, q, k, v, do, causal):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hdim", type=int, nargs="+", default=[128])
+    ap.add_argument("--hdim", nargs="+", default=["128"], help="d, or DxDV (e.g. 192x128)")
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'dq_warp=0'")
@@ -50,17 +50,20 @@ def main() -> None:
     args = ap.parse_args()
     variants = [{}] + [{k: int(x) for k, x in (kv.split("=") for kv in var.split(",") if kv)}
                        for var in args.variant]
-    for d in args.hdim:
+    for spec in args.hdim:
+        d, dv = (int(x) for x in spec.split("x")) if "x" in spec else (int(spec), int(spec))
         for n in args.seqlen:
             for causal in map(bool, args.causal):
                 b, h = max(1, 16384 // n), 2048 // d
-                q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                q, k = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                v, do = (torch.randn(b, n, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 scale = d ** -0.5
-                out = torch.empty_like(q)
+                out = torch.empty_like(do)
                 lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
                 run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1),
                         softcap=0.0)
-                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                flops = 2.5 * 2 * b * h * n * n * (d + dv) / (2 if causal else 1)
+                tag = f"d{spec} N{n} causal={int(causal)}"
                 fns, ref = {}, None
                 for var in variants:
                     name = ",".join(f"{a}={x}" for a, x in var.items()) or "default"
@@ -74,7 +77,7 @@ def main() -> None:
                         fn()
                         torch.cuda.synchronize()
                     except Exception as e:  # noqa: BLE001 - report and go on
-                        print(f"d{d} N{n} causal={int(causal)} {name}: {type(e).__name__}: {e}", flush=True)
+                        print(f"{tag} {name}: {type(e).__name__}: {e}", flush=True)
                         continue
                     if ref is None:
                         ref = grads[0].float()
@@ -82,7 +85,7 @@ def main() -> None:
                     else:
                         rel = ((grads[0].float() - ref).norm() / ref.norm()).item()
                     if not math.isfinite(rel) or rel > 1e-2:
-                        print(f"d{d} N{n} causal={int(causal)} {name}: WRONG dq (rel L2 {rel:.2e})")
+                        print(f"{tag} {name}: WRONG dq (rel L2 {rel:.2e})")
                         continue
                     fns[name] = fn
                 for peer in args.peers:
@@ -98,7 +101,7 @@ def main() -> None:
                     for x in names[r % len(names):] + names[:r % len(names)]:
                         times[x].append(bench(fns[x]))
                 line = " ".join(f"{x} {flops / statistics.median(t) / 1e9:.0f}" for x, t in times.items())
-                print(f"d{d} N{n} causal={int(causal)}: {line}", flush=True)
+                print(f"{tag}: {line}", flush=True)
 
 
 if __name__ == "__main__":
