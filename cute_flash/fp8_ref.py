@@ -1,0 +1,161 @@
+"""Pure PyTorch references for the FP8 (e4m3) forward with incoherent processing (issue 5).
+
+``quantize_qkv_ref`` is what the quantize kernel must produce and ``attention_fp8_ref`` what the
+FP8 attention kernel computes from its output; ``outlier_qkv`` and ``fp8_rmse_table`` reproduce
+the FA3 paper's accuracy experiment (Q, K, V ~ N(0, 1) + N(0, 100) * Bernoulli(0.001)).
+
+Incoherent processing: Q and K are multiplied along the head dim by the same orthogonal matrix
+M = D H / sqrt(d) (D a random +-1 diagonal from ``seed``, H the d x d Sylvester-Hadamard matrix),
+so (Q M)(K M)^T = Q K^T exactly while an outlier coordinate is spread over all d coordinates --
+the amax that sets the e4m3 scale drops, and with it the rounding error of every other value.
+V is not rotated (it would have to be rotated back after P V).
+
+Scales follow FA3: one per (batch, kv head) for each of Q (over the query heads of the group), K
+and V; ``x8 = sat_e4m3(x * 448 / amax)``, descale = amax / 448, shape (B, H_kv), fp32.
+``v8`` keeps the (B, N, H_kv, d) shape but its storage is (B, H_kv, d, N): the sequence dim is
+contiguous, as the FP8 P V wgmma needs its K (= keys) operand K-major.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cute_flash.reference import attention_ref, visible_mask
+
+E4M3_MAX = 448.0
+
+
+def hadamard_signs(d: int, seed: int = 0) -> torch.Tensor:
+    """The random +-1 diagonal D (fp32, CPU; the same for every call with this seed)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, 2, (d,), generator=gen).float() * 2.0 - 1.0
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """Sylvester's H_d (entries +-1, H H^T = d I), fp64; d a power of two."""
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """x H / sqrt(d) along the last dim in O(d log d) (butterflies of stride 1, 2, 4, ...: the
+    order the kernel's in-thread then cross-lane stages follow)."""
+    d = x.shape[-1]
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {d}")
+    y = x.clone()
+    h = 1
+    while h < d:
+        y = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+        h *= 2
+    return y.reshape(x.shape) / math.sqrt(d)
+
+
+def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x M with M = D H / sqrt(d) (orthogonal), along the head dim."""
+    signs = hadamard_signs(x.shape[-1], seed).to(device=x.device, dtype=x.dtype)
+    return fwht(x * signs)
+
+
+def _group_amax(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """amax per (batch, kv head) of a (B, N, H, d) tensor whose H heads form num_kv_heads groups."""
+    b, _, h, _ = x.shape
+    per_head = x.abs().amax(dim=(1, 3))  # (B, H)
+    return per_head.reshape(b, num_kv_heads, h // num_kv_heads).amax(dim=2)
+
+
+def _quantize(x: torch.Tensor, amax: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    b, _, h, _ = x.shape
+    scale = (E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny))  # (B, Hkv)
+    scale = scale.repeat_interleave(h // num_kv_heads, dim=1).reshape(b, 1, h, 1)
+    return (x * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate_qk: bool = True,
+                     seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(q8, k8, v8, q_descale, k_descale, v_descale) from (B, N, H, d) q and (B, N, H_kv, d) k, v:
+    Q and K rotated (``rotate_qk``), per-(batch, kv head) scales, e4m3 with saturation; v8 stored
+    sequence-contiguous (module docstring). Computed in fp32."""
+    hkv = k.shape[2]
+    x = [t.float() for t in (q, k, v)]
+    if rotate_qk:
+        x[0], x[1] = rotate(x[0], seed), rotate(x[1], seed)
+    amax = [_group_amax(t, hkv) for t in x]
+    q8, k8, v8 = (_quantize(t, a, hkv) for t, a in zip(x, amax, strict=True))
+    v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # storage (B, Hkv, d, N)
+    return q8, k8, v8, *(a / E4M3_MAX for a in amax)
+
+
+def _expand_descale(descale: torch.Tensor, num_heads: int) -> torch.Tensor:
+    b, hkv = descale.shape
+    return descale.repeat_interleave(num_heads // hkv, dim=1).reshape(b, num_heads, 1, 1)
+
+
+def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
+                      k_descale: torch.Tensor, v_descale: torch.Tensor, *,
+                      softmax_scale: float | None = None, causal: bool = False,
+                      window_size: tuple[int, int] = (-1, -1), quantize_p: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 (B, Nq, H, d), lse (B, H, Nq)) of attention on e4m3 inputs as the FP8 kernel
+    computes it: S = (q8 k8^T) * q_descale * k_descale in fp32, softmax statistics in fp32, P =
+    exp(S - rowmax) cast to e4m3 (``quantize_p``; P <= 1 needs no scale), O = (P8 v8) * v_descale
+    / rowsum with the row sums of the unquantized P. (The kernel's P uses the running max of its
+    online softmax, not the final one; the difference is within e4m3 rounding.)"""
+    b, nq, h, d = q8.shape
+    nk, hkv = k8.shape[1], k8.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qf = q8.float().permute(0, 2, 1, 3)
+    kf = k8.float().permute(0, 2, 1, 3).repeat_interleave(h // hkv, dim=1)
+    vf = v8.float().permute(0, 2, 1, 3).repeat_interleave(h // hkv, dim=1)
+    s = qf @ kf.transpose(-1, -2) * (_expand_descale(q_descale, h) * _expand_descale(k_descale, h) * scale)
+    mask = visible_mask(nq, nk, causal=causal, window_size=window_size, device=s.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    rowsum = p.sum(dim=-1, keepdim=True)
+    if quantize_p:
+        p = p.to(torch.float8_e4m3fn).float()
+    o = p @ vf * _expand_descale(v_descale, h) / rowsum.clamp_min(torch.finfo(torch.float32).tiny)
+    o = torch.where(rowsum > 0, o, torch.zeros_like(o))
+    lse = (m + rowsum.log()).squeeze(-1)
+    return o.permute(0, 2, 1, 3), lse
+
+
+def outlier_qkv(b: int, n: int, h: int, d: int, *, seed: int = 0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """The FA3 paper's inputs: N(0, 1) + N(0, 100) * Bernoulli(0.001), per element, for Q, K, V."""
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+
+    def one() -> torch.Tensor:
+        base = torch.randn(b, n, h, d, generator=gen, device=device)
+        spikes = torch.randn(b, n, h, d, generator=gen, device=device) * 10.0
+        keep = torch.rand(b, n, h, d, generator=gen, device=device) < 1e-3
+        return (base + spikes * keep).to(dtype)
+
+    return one(), one(), one()
+
+
+def fp8_rmse_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   seed: int = 0) -> dict[str, float]:
+    """RMSE vs an fp64 reference of: bf16 attention (bf16 inputs, bf16 matmuls), FP8 without
+    rotation, FP8 with rotation (both through ``attention_fp8_ref``)."""
+    ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=causal)
+
+    def rmse(o: torch.Tensor) -> float:
+        return (o.double() - ref).pow(2).mean().sqrt().item()
+
+    bf16, _ = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, upcast=False)
+    out = {"bf16": rmse(bf16)}
+    for name, rot in (("fp8", False), ("fp8_rotated", True)):
+        o, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=seed), causal=causal)
+        out[name] = rmse(o)
+    return out
