@@ -81,3 +81,31 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
         assert ((gf - rf).abs() <= rf.abs() * 2.0**-3 + 2.0**-9).all(), name
         assert (gf == rf).float().mean() > 0.95, name
     assert got[2].stride(1) == 1  # V: sequence-contiguous
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_lane_butterflies_are_the_reference_transform(d: int) -> None:
+    """The kernel's data movement, emulated: lane l holds elements l*E .. l*E+E-1; in-thread
+    butterflies for index bits below log2(E), then per lane bit t a butterfly shuffle where the
+    lane with bit t clear keeps a + b and its partner a - b -- equal to ``fp8_ref.fwht``."""
+    import torch
+
+    from cute_flash.fp8_ref import fwht
+
+    e = d // 32
+    x = torch.randn(d, dtype=torch.float64)
+    lanes = [x[i * e:(i + 1) * e].clone() for i in range(32)]
+    s = 1
+    while s < e:
+        for y in lanes:
+            for j in range(e):
+                if j & s == 0:
+                    y[j], y[j + s] = y[j] + y[j + s], y[j] - y[j + s]
+        s *= 2
+    for t in (1, 2, 4, 8, 16):
+        old = [y.clone() for y in lanes]
+        for lane in range(32):
+            other = old[lane ^ t]
+            lanes[lane] = old[lane] + other if lane & t == 0 else other - old[lane]
+    got = torch.cat(lanes) / d**0.5
+    assert torch.allclose(got, fwht(x), atol=1e-12)
