@@ -82,10 +82,10 @@ class BwdSm90Config(jit.KernelConfig):
     softcap: bool = False
     varlen: bool = False
     deterministic: bool = False
+    # 0 = ``SM90_BWD_TILE_M``; 80 at d = 128 is FA3's non-causal tile (dQ^T computed with the head
+    # dim on M, ``hopper.bwd.dq_swapab``): compiled with no spills, not yet GPU-checked.
     tile_m: int = 0
     tile_n: int = 0
-    # tile_m: 0 = ``SM90_BWD_TILE_M``; 80 at d = 128 is FA3's non-causal tile (dQ^T computed with the
-    # head dim on M, ``hopper.bwd.dq_swapab``): compiled with no spills, not yet GPU-checked.
     # Q / dO pipeline depth (0 = 2, or 1 where the dQ writer warp's tile needs the smem: d = 256).
     stages: int = 0
     # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
