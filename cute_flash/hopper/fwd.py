@@ -81,6 +81,8 @@ class FlashFwdSm90:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        # O's element type (Q, K, V are ``dtype``; they differ in the FP8 subclass).
+        self.o_dtype = self.dtype
         self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
         self.num_mma_wg = cfg.num_mma_wg
@@ -116,10 +118,11 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     # Layouts and MMAs (built on the host for the TMA atoms, rebuilt inside the kernel)
     # ------------------------------------------------------------------------------------------
-    def _smem(self, rows: int, cols: int, stages: int | None):
+    def _smem(self, rows: int, cols: int, stages: int | None, dtype=None):
         """K-major wgmma-canonical swizzled tile (128/64/32-byte swizzle by row width)."""
+        dtype = dtype or self.dtype
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
@@ -128,7 +131,7 @@ class FlashFwdSm90:
         self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
         self.sK_layout = self._smem(self.tile_n, self.hdim, self.num_stages)
         self.sV_layout = self._smem(self.tile_n, self.hdim_v, self.num_stages)
-        self.sO_layout = self._smem(self.tile_m, self.hdim_v, None)
+        self.sO_layout = self._smem(self.tile_m, self.hdim_v, None, self.o_dtype)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         self.mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
@@ -136,7 +139,7 @@ class FlashFwdSm90:
         self.mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
-        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_mma_threads)
+        self.copy_O = common.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
 
     def _storage(self):
         stages = self.num_stages
@@ -162,9 +165,41 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, so], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.o_dtype, so], 1024]
 
         return StorageWithO if self.separate_o else Storage
+
+    # ------------------------------------------------------------------------------------------
+    # Operand hooks (16-bit here; ``hopper/fwd_fp8.py`` overrides them for e4m3)
+    # ------------------------------------------------------------------------------------------
+    def v_source(self, mV: cute.Tensor) -> cute.Tensor:
+        """The (N, d, H, B) V view the TMA atom is built on."""
+        return mV
+
+    def v_box(self) -> tuple:
+        return (self.tile_n, self.hdim_v)
+
+    def v_blocks(self, mV: cute.Tensor, seqlen: SeqlenInfo, head_kv, batch) -> cute.Tensor:
+        """V blocks of one KV head, block index last (the TMA partition's)."""
+        return cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
+
+    def v_operand(self, wg_pv, sV: cute.Tensor) -> cute.Tensor:
+        """V^T as the P V wgmma's B operand: here an MN-major view of the (keys, d) tiles."""
+        return wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
+
+    @cute.jit
+    def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
+        convert_pairs(acc_S, rP)
+
+    def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
+        return acc_to_frgA_sm90(rP)
+
+    def tile_scales(self, ctx, extra: tuple, head, batch) -> None:
+        """Per-tile score scale (the FP8 descales); nothing for 16-bit inputs."""
+
+    def output_scale(self, ctx, row_scale):
+        """O's final per-row factor (1 / row sum; times V's descale for FP8)."""
+        return row_scale
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -174,6 +209,15 @@ class FlashFwdSm90:
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, mTileCounter: cute.Tensor, stream):
+        self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
+                     window_right, max_seqlen_q, mTileCounter, (), stream)
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                max_seqlen_q: Int32, mTileCounter: cute.Tensor, extra: tuple, stream):
+        """``extra``: tensors a subclass's hooks read in the kernel (the FP8 descales)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
@@ -191,8 +235,8 @@ class FlashFwdSm90:
             tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, self.hdim))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(self.sK_layout, mode=[0, 1]),
                                                     (self.tile_n, self.hdim))
-        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.select(self.sV_layout, mode=[0, 1]),
-                                                    (self.tile_n, self.hdim_v))
+        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, self.v_source(mV),
+                                                    cute.select(self.sV_layout, mode=[0, 1]), self.v_box())
         # O goes out through a TMA store, which clips rows past the tensor's end. Packed (varlen)
         # outputs keep predicated stores: a box would run into the next batch's rows.
         tma_O, mO_out = None, mO
@@ -212,7 +256,7 @@ class FlashFwdSm90:
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(), mTileCounter,
-                    Storage).launch(
+                    extra, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
 
@@ -236,7 +280,7 @@ class FlashFwdSm90:
                tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
                tma_O: cute.CopyAtom | None, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
-               mTileCounter: cute.Tensor, Storage: cutlass.Constexpr):
+               mTileCounter: cute.Tensor, extra: tuple, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -278,7 +322,7 @@ class FlashFwdSm90:
                 self.producer(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consumer(mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2)
+            self.consumer(mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2, extra)
 
     # ------------------------------------------------------------------------------------------
     # Work: the tiles of this CTA and their K/V block ranges (same code in both roles)
@@ -368,7 +412,7 @@ class FlashFwdSm90:
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(seqlen.k_rows(mV, head_kv, batch), (self.tile_n, self.hdim_v), (None, 0))
+        gV = self.v_blocks(mV, seqlen, head_kv, batch)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
@@ -412,7 +456,7 @@ class FlashFwdSm90:
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2):
+    def consumer(self, mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2, extra):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         thr_qk = self.mma_qk.get_slice(tidx)
@@ -432,7 +476,7 @@ class FlashFwdSm90:
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
         ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ)),
                          tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
-                         tOrVt=wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(smem.sV))),
+                         tOrVt=self.v_operand(wg_pv, smem.sV),
                          acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
                          score_scale=score_scale, wg=wg, tidx=tidx,
                          row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
@@ -451,6 +495,7 @@ class FlashFwdSm90:
             m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max = self.tile_work(
                 mQ, mK, geo, tile_idx)
             if has_rows:
+                self.tile_scales(ctx, extra, head, batch)
                 q_state, kv_state = self.consume(ctx, mO, mLSE, tma_O, smem, pipes.q, geo, seqlen, block_info,
                                                  m_block, head, batch, n_block_min, n_block_max, q_state,
                                                  kv_state)
@@ -479,7 +524,7 @@ class FlashFwdSm90:
             # while this one's epilogue runs.
             pipe_q.consumer_release(q_state)
 
-        row_scale = ctx.softmax.finalize()
+        row_scale = self.output_scale(ctx, ctx.softmax.finalize())
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, tma_O, smem.sO, ctx.tidx, head, batch)
         if cutlass.const_expr(not self.separate_o):
@@ -607,11 +652,11 @@ class FlashFwdSm90:
         row_scale = self.scores(ctx, acc_S, n_block, is_first, partial, mask_right, mask_left)
         if cutlass.const_expr(not is_first):
             OnlineSoftmax.rescale(ctx.acc_O, row_scale)
-        convert_pairs(acc_S, ctx.rP)
+        self.convert_p(acc_S, ctx.rP)
         # O += P V (RS-wgmma: P from registers).
         self.wait_full(ctx.pipe_v, state)
         self.sched_sync(ctx)
-        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
+        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
         ctx.pipe_v.consumer_release(state)
         state.advance()
@@ -628,7 +673,7 @@ class FlashFwdSm90:
         row_scale = self.scores(ctx, acc_S, n_block, True, True, mask_right, mask_left)
         if cutlass.const_expr(self.rescale_before_pv):
             ctx.row_scale.store(row_scale.load())
-        convert_pairs(acc_S, ctx.rP)
+        self.convert_p(acc_S, ctx.rP)
 
     @cute.jit
     def one_block_overlap(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
@@ -646,7 +691,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.rescale_before_pv):
             OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
         self.wait_full(ctx.pipe_v, v_state)
-        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
+        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
                 zero_init=False, wg_wait=-1)
         self.sched_arrive(ctx)
         warpgroup.wait_group(1)  # S(n) is ready; P V may still run
@@ -658,7 +703,7 @@ class FlashFwdSm90:
             ctx.row_scale.store(row_scale.load())
         else:
             OnlineSoftmax.rescale(ctx.acc_O, row_scale)
-        convert_pairs(acc_S, ctx.rP)
+        self.convert_p(acc_S, ctx.rP)
         return state
 
     @cute.jit
@@ -667,7 +712,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.rescale_before_pv):
             OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
         self.wait_full(ctx.pipe_v, state)
-        wg_gemm(self.mma_pv, ctx.acc_O, acc_to_frgA_sm90(ctx.rP), ctx.tOrVt[None, None, None, state.index],
+        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, state.index],
                 zero_init=False)
         ctx.pipe_v.consumer_release(state)
         state.advance()
@@ -683,7 +728,7 @@ class FlashFwdSm90:
 
         # O: registers -> smem (its own buffer, or Q's) via stmatrix -> TMA store (predicated
         # 16-byte stores for packed varlen outputs).
-        rO = cute.make_rmem_tensor_like(ctx.acc_O, self.dtype)
+        rO = cute.make_rmem_tensor_like(ctx.acc_O, self.o_dtype)
         convert_pairs(ctx.acc_O, rO)
         if cutlass.const_expr(tma_O is not None and self.separate_o):
             # The previous tile's store may still be reading O's buffer (waited for only now, so
@@ -693,8 +738,8 @@ class FlashFwdSm90:
         # Every consumer warpgroup is done reading Q (its wgmmas were waited for) and the buffer
         # is free.
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                     self.mma_pv).get_slice(tidx)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.o_dtype, Float32)
+        r2s = cute.make_tiled_copy_C(store_op, self.mma_pv).get_slice(tidx)
         cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
         if cutlass.const_expr(tma_O is not None):
             # The TMA engine reads smem through the async proxy: make the generic-proxy writes
