@@ -194,7 +194,7 @@ class FlashFwdSm90:
     def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
         return acc_to_frgA_sm90(rP)
 
-    def tile_scales(self, ctx, extra: tuple, head, batch) -> None:
+    def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
         """Per-tile score scale (the FP8 descales); nothing for 16-bit inputs."""
 
     def output_scale(self, ctx, row_scale):
@@ -478,7 +478,7 @@ class FlashFwdSm90:
                          tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
                          tOrVt=self.v_operand(wg_pv, smem.sV),
                          acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
-                         score_scale=score_scale, wg=wg, tidx=tidx,
+                         score_scale=score_scale, scale_log2=scale_log2, wg=wg, tidx=tidx,
                          row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
         if cutlass.const_expr(self.pingpong):
             # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores. Every
@@ -495,7 +495,7 @@ class FlashFwdSm90:
             m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max = self.tile_work(
                 mQ, mK, geo, tile_idx)
             if has_rows:
-                self.tile_scales(ctx, extra, head, batch)
+                self.tile_scales(ctx, extra, mQ, mK, head, batch)
                 q_state, kv_state = self.consume(ctx, mO, mLSE, tma_O, smem, pipes.q, geo, seqlen, block_info,
                                                  m_block, head, batch, n_block_min, n_block_max, q_state,
                                                  kv_state)

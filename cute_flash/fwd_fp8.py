@@ -1,0 +1,81 @@
+"""FP8 (e4m3) forward on Hopper (issue 5): the kernel config of ``cute_flash.hopper.fwd_fp8``.
+
+Compiled and PTX-checked on the CPU; not yet run on a GPU, so no public entry point launches it.
+Inputs as ``quant.quantize_qkv`` returns them: e4m3 Q, K in (B, N, H, d), V as a (B, N, H_kv, d)
+view of token-contiguous storage, fp32 (B, H_kv) descales; O in bf16 / fp16 (``dtype``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+
+from cute_flash import jit
+from cute_flash.fwd_sm90 import SM90_SMEM_LIMIT, FwdSm90Config
+
+# (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap) per head dim.
+# tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time); with 1-byte K / V
+# the 16-bit tiles' smem budget leaves room, d = 256 takes 96 keys (128 would reach 227 KiB
+# exactly). Not yet tuned on a GPU.
+SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
+    64: (128, 128, 2, 2, False, True),  # the 3-warpgroup 192-row tile spills 32 bytes (local)
+    128: (128, 128, 2, 2, False, True),
+    256: (128, 96, 2, 2, True, True),
+}
+
+
+@dataclass(frozen=True)
+class FwdSm90Fp8Config(FwdSm90Config):
+    """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. Dense inputs, no softcap,
+    one CTA per tile (packed GQA, varlen and the persistent grid are not wired for FP8 yet)."""
+
+    kernel_name = "fwd_sm90_fp8"
+
+    def __post_init__(self) -> None:
+        if self.hdim not in SM90_FP8_FWD_TILES or self.hdim_v != self.hdim:
+            raise ValueError(f"FP8 forward: head dims {tuple(SM90_FP8_FWD_TILES)} with d_v = d")
+        if self.softcap or self.varlen or self.pack_gqa != 1 or self.num_ctas:
+            raise ValueError("FP8 forward: no softcap, varlen, packed GQA or persistent grid yet")
+        tile_m, tile_n, stages, wgs, pingpong, overlap = SM90_FP8_FWD_TILES[self.hdim]
+        for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("stages", stages),
+                            ("num_mma_wg", wgs)):
+            if not getattr(self, name):
+                object.__setattr__(self, name, value)
+        for name, value in (("pingpong", pingpong), ("intra_wg_overlap", overlap)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.tile_n % 32:
+            raise ValueError("FP8 forward: tile_n must be a multiple of 32 (k32 P V)")
+        super().__post_init__()
+        if not self.separate_o:
+            raise ValueError("FP8 forward: O (16 bit) needs its own smem buffer beside 1-byte Q")
+
+    def smem_bytes(self, separate_o: bool) -> int:
+        """1-byte Q / K / V tiles, 16-bit O."""
+        q, o = self.tile_m * self.hdim, self.tile_m * self.hdim_v * 2
+        kv = self.stages * self.tile_n * (self.hdim + self.hdim_v)
+        return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024
+
+    def build(self):
+        from cute_flash.hopper.fwd_fp8 import FlashFwdSm90Fp8
+
+        return FlashFwdSm90Fp8(self)
+
+    def fake_args(self) -> tuple:
+        f8, out = cutlass.Float8E4M3FN, jit.DTYPES[self.dtype]
+        b, nq, nk, h, hkv, d = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym(), self.hdim
+        q = jit.fake_tensor(f8, (b, nq, h, d), divisibility=16)
+        k = jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16)
+        # Token-contiguous V (N_pad a multiple of 16: the TMA's 16-byte strides).
+        v = jit.fake_tensor(f8, (b, nk, hkv, d), leading_dim=1, divisibility=16)
+        o = jit.fake_tensor(out, (b, nq, h, d), divisibility=jit.vec_div(out))
+        lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        counter = jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0)
+        descales = [jit.fake_tensor(cutlass.Float32, (b, hkv)) for _ in range(3)]
+        return (q, k, v, o, lse, None, None, *scalars, counter, *descales, jit.fake_stream())
+
+
+assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256).smem_bytes(True)

@@ -1,0 +1,128 @@
+"""FP8 (e4m3) FlashAttention-3 forward for Hopper (issue 5): the bf16 kernel of ``hopper/fwd.py``
+with e4m3 Q, K, V and k32 wgmma for both GEMMs, bf16 O.
+
+What differs from 16 bit, and why:
+
+* V^T is the P V wgmma's B operand, and fp8 wgmma takes K-major operands only: V must arrive with
+  the keys contiguous. ``quant.quantize_qkv`` writes it that way ((B, H_kv, d, N_pad) storage
+  under the (B, N, H_kv, d) view), so TMA loads (d, tile_n) tiles of it directly.
+* P goes from the fp32 S accumulator to e4m3 registers as the RS wgmma's A operand. The k32 A
+  fragment holds 4 consecutive keys per 32-bit register (k = 4q .. 4q + 3 and 16 + 4q .., q =
+  lane % 4), the accumulator 2 per 8-column group (columns 8j + 2q, 8j + 2q + 1): each thread
+  swaps 16-bit pairs with the other three lanes of its quad (``quad_exchange_p``, 4 shuffles
+  and 4 byte merges per 32 keys and row pair).
+* The per-(batch, kv head) descales fold into the scores' exp2 scale (q_descale * k_descale) and
+  into O's final 1 / row-sum factor (v_descale); LSE comes out in the descaled units.
+
+Compiled and PTX-checked on the CPU; not yet run on a GPU (see docs/notes.md).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from cute_flash.ampere import common
+from cute_flash.hopper.fwd import FlashFwdSm90
+
+
+@cute.jit
+def quad_exchange_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
+    """In place: the e4m3 P of one thread, in the S accumulator's register order (32-bit word j =
+    column group j: [row r pair, row r + 8 pair]), into the k32 A fragment's (word 4 kb + 2 h + i =
+    keys 32 kb + 16 h + 4q .. + 3 of row r + 8 i). Thread q needs the pairs of lanes
+    s0 = 2 (q % 2) and s0 + 1 from column group 4 kb + 2 h + q // 2; two shuffle rounds per half
+    in which every lane of the quad is read by exactly one other, the sender choosing the word
+    its reader needs by its own lane parity."""
+    words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(4 * num_kblocks))
+    lane = cute.arch.lane_idx()
+    q = lane & 3
+    base = lane & ~3
+    odd = (lane & 1) == 1
+    upper = q >= 2
+    src_a = base | ((q >> 1) | ((q & 1) << 1))
+    src_b = base | (((q >> 1) ^ 1) | ((q & 1) << 1))
+    for kb in cutlass.range_constexpr(num_kblocks):
+        out = []
+        for h in cutlass.range_constexpr(2):
+            w0, w1 = words[4 * kb + 2 * h], words[4 * kb + 2 * h + 1]
+            ra = cute.arch.shuffle_sync(cutlass.select_(odd, w1, w0), offset=src_a)
+            rb = cute.arch.shuffle_sync(cutlass.select_(odd, w0, w1), offset=src_b)
+            x0 = cutlass.select_(upper, rb, ra)  # from lane s0
+            x1 = cutlass.select_(upper, ra, rb)  # from lane s0 + 1
+            out.append((x0 & 0xFFFF) | (x1 << 16))
+            out.append(((x0 >> 16) & 0xFFFF) | (x1 & -65536))
+        for i in cutlass.range_constexpr(4):
+            words[4 * kb + i] = out[i]
+
+
+class FlashFwdSm90Fp8(FlashFwdSm90):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.o_dtype = self.dtype  # bf16 / fp16 (the config's dtype names the output)
+        self.dtype = cutlass.Float8E4M3FN
+        self.tx_Q = self.tile_m * self.hdim
+        self.tx_K = self.tile_n * self.hdim
+        self.tx_V = self.tile_n * self.hdim_v
+
+    def _setup(self) -> None:
+        self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
+        self.sK_layout = self._smem(self.tile_n, self.hdim, self.num_stages)
+        # V^T tiles: (d, keys), keys contiguous (K-major B operand of P V).
+        self.sV_layout = self._smem(self.hdim_v, self.tile_n, self.num_stages)
+        self.sO_layout = self._smem(self.tile_m, self.hdim_v, None, self.o_dtype)
+        K = cute.nvgpu.OperandMajorMode.K
+        f8 = self.dtype
+        self.mma_qk = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        self.mma_pv = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.hdim_v),
+            a_source=warpgroup.OperandSource.RMEM)
+        self.copy_O = common.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
+                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, mQdescale: cute.Tensor,
+                 mKdescale: cute.Tensor, mVdescale: cute.Tensor, stream):
+        """The bf16 forward's arguments plus the (B, H_kv) fp32 descales of Q, K and V."""
+        self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
+                     window_right, max_seqlen_q, mTileCounter, (mQdescale, mKdescale, mVdescale), stream)
+
+    # Operand hooks -------------------------------------------------------------------------------
+    def v_source(self, mV: cute.Tensor) -> cute.Tensor:
+        """(N, d, H, B) with the tokens contiguous -> (d, N, H, B): TMA boxes of (d, tile_n)."""
+        return cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
+
+    def v_box(self) -> tuple:
+        return (self.hdim_v, self.tile_n)
+
+    def v_blocks(self, mV: cute.Tensor, seqlen, head_kv, batch) -> cute.Tensor:
+        return cute.local_tile(mV[None, None, head_kv, batch], (self.hdim_v, self.tile_n), (0, None))
+
+    def v_operand(self, wg_pv, sV: cute.Tensor) -> cute.Tensor:
+        return wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+
+    @cute.jit
+    def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
+        rP.store(acc_S.load().to(self.dtype))  # cvt.rn.satfinite.e4m3x2 (P <= 1: no scale needed)
+        quad_exchange_p(rP, self.tile_n // 32)
+
+    def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
+        """The exchanged registers as ((4 keys, 2 rows, 2 key halves), M, k32 blocks)."""
+        return cute.make_tensor(rP.iterator, cute.make_layout(((4, 2, 2), 1, self.tile_n // 32)))
+
+    def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
+        mQd, mKd, mVd = extra
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        ctx.softmax.scale_log2 = ctx.scale_log2 * mQd[batch, head_kv] * mKd[batch, head_kv]
+        ctx.v_descale = mVd[batch, head_kv]
+
+    def output_scale(self, ctx, row_scale):
+        for r in range(cute.size(row_scale)):
+            row_scale[r] = row_scale[r] * ctx.v_descale
+        return row_scale

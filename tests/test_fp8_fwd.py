@@ -1,0 +1,103 @@
+"""The FP8 (e4m3) Hopper forward (issue 5) compiles for sm_90a with k32 e4m3 wgmma (QGMMA in
+SASS), TMA, register reallocation and no spills; the P register exchange it performs moves every
+byte of the S accumulator to the k32 A-fragment slot the wgmma reads it from (emulated from the
+two fragments' thread-value layouts)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+
+from cute_flash import inspect as ins
+from cute_flash import jit
+from cute_flash.fwd_fp8 import FwdSm90Fp8Config
+
+VARIANTS = [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "causal", local=m == "local")
+            for d in (64, 128, 256) for m in ("plain", "causal", "local")]
+
+
+def _id(c: FwdSm90Fp8Config) -> str:
+    return f"d{c.hdim}-" + ("causal" if c.causal else "local" if c.local else "plain")
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
+def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8Config) -> None:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    assert not re.search(r"wgmma\.mma_async\S*\.(bf16|f16)\.", ptx)
+    for op in ("cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec", "cvt.rn.satfinite.e4m3x2.f32"):
+        assert op in ptx, op
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if ins.tools_dir() is None:
+        pytest.skip("no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "fwd_fp8.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = ins.resource_usage(path)
+        sass = ins.disassemble(path) or ""
+    for fn, res in usage.items():
+        assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
+    if sass:
+        assert "QGMMA" in sass and "HGMMA" not in sass
+        assert sass.count("WARPGROUP.DEPBAR") <= 8, "wgmma serialised?"
+        assert "STL" not in sass
+
+
+def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
+    for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True), dict(pack_gqa=2),
+               dict(tile_n=80)):
+        with pytest.raises(ValueError):
+            FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
+
+
+def _tv_coords(shape, stride, m: int, thread: int, nvals: int) -> list[tuple[int, int]]:
+    """(row, col) of each value of ``thread`` under a thread-value layout over an (m, *) tile
+    (column-major linear index), values in register (colexicographic) order."""
+    def flat(coord_shape, coord_stride, i):
+        out = 0
+        for s, d in zip(coord_shape, coord_stride, strict=True):
+            out += (i % s) * d
+            i //= s
+        return out
+
+    t = flat(shape[0], stride[0], thread)
+    idx = [t + flat(shape[1], stride[1], v) for v in range(nvals)]
+    return [(i % m, i // m) for i in idx]
+
+
+@pytest.mark.parametrize("tile_n", [64, 96, 128])
+def test_quad_exchange_puts_each_p_byte_in_its_k32_a_slot(tile_n: int) -> None:
+    """The S accumulator (``m64n{tile_n}k32`` C: ((4,8,4),(2,2,N/8)):((128,1,16),(64,8,512))) and
+    the e4m3 A fragment of each 32-key block (((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))), as the
+    DSL reports them; the exchange below is ``hopper.fwd_fp8.quad_exchange_p`` on byte labels."""
+    c_shape, c_stride = ((4, 8, 4), (2, 2, tile_n // 8)), ((128, 1, 16), (64, 8, 512))
+    a_shape, a_stride = ((4, 8, 4), (4, 2, 2)), ((256, 1, 16), (64, 8, 1024))
+    nkb = tile_n // 32
+    # Registers of every thread: 32-bit words of 4 byte labels (row, col).
+    regs = {}
+    for t in range(128):
+        c = _tv_coords(c_shape, c_stride, 64, t, 4 * (tile_n // 8))
+        regs[t] = [c[4 * w:4 * w + 4] for w in range(tile_n // 8)]
+    new = {t: [None] * len(regs[t]) for t in regs}
+    for t in range(128):
+        lane = t % 32
+        q, base = lane & 3, t - (lane & 3)
+        src_a = base + ((q >> 1) | ((q & 1) << 1))
+        src_b = base + (((q >> 1) ^ 1) | ((q & 1) << 1))
+        for kb in range(nkb):
+            for h in range(2):
+                # The sender picks the word by its own lane parity (round b: the other one).
+                ra = regs[src_a][4 * kb + 2 * h + ((src_a % 32) & 1)]
+                rb = regs[src_b][4 * kb + 2 * h + ((src_b % 32) & 1 ^ 1)]
+                x0, x1 = (rb, ra) if q >= 2 else (ra, rb)
+                new[t][4 * kb + 2 * h] = [x0[0], x0[1], x1[0], x1[1]]
+                new[t][4 * kb + 2 * h + 1] = [x0[2], x0[3], x1[2], x1[3]]
+    for t in range(128):
+        for kb in range(nkb):
+            want = _tv_coords(a_shape, a_stride, 64, t, 16)
+            got = [b for w in new[t][4 * kb:4 * kb + 4] for b in w]
+            assert got == [(r, k + 32 * kb) for r, k in want], (t, kb)
