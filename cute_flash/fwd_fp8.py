@@ -79,3 +79,27 @@ class FwdSm90Fp8Config(FwdSm90Config):
 
 
 assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256).smem_bytes(True)
+
+
+def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
+                causal: bool = False, window_size: tuple[int, int] = (-1, -1)) -> None:
+    """Launch the FP8 forward (developer entry point until GPU-checked): e4m3 ``q8`` / ``k8``
+    (B, N, H, d) and ``v8`` (B, N_k, H_kv, d) over token-contiguous storage, as
+    ``quant.quantize_qkv`` returns them; writes ``out`` (B, N, H, d) bf16 / fp16 and ``lse``
+    (B, H, N) fp32."""
+    import torch
+
+    from cute_flash.fwd import normalize_window
+
+    if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
+        raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
+    if v8.stride(1) != 1:
+        raise ValueError("FP8 forward: v must be token-contiguous (as quant.quantize_qkv writes it)")
+    causal, local, left, right = normalize_window(causal, window_size)
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
+    cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
+                           causal=causal, local=local)
+    fn = jit.compile_kernel(cfg)
+    counter = torch.zeros(1, dtype=torch.int32, device=q8.device)  # read only by the persistent grid
+    fn(q8, k8, v8, out, lse, None, None, float(softmax_scale), 0.0, left, right, q8.shape[1], counter,
+       q_descale, k_descale, v_descale)

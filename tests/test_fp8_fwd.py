@@ -101,3 +101,44 @@ def test_quad_exchange_puts_each_p_byte_in_its_k32_a_slot(tile_n: int) -> None:
             want = _tv_coords(a_shape, a_stride, 64, t, 16)
             got = [b for w in new[t][4 * kb:4 * kb + 4] for b in w]
             assert got == [(r, k + 32 * kb) for r, k in want], (t, kb)
+
+
+def _hopper() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
+def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool,
+                                                                        hkv: int) -> None:
+    """Kernel vs ``fp8_ref.attention_fp8_ref`` on the same e4m3 inputs: the only differences are
+    the online softmax's running max for P's e4m3 rounding and fp32 summation order."""
+    import math
+
+    import torch
+
+    from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+
+    torch.manual_seed(2)
+    b, nq, nk, h = 2, 300, 517, 4
+    q = torch.randn(b, nq, h, d, device="cuda")
+    k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
+    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3)
+    # The kernel's V layout: token-contiguous with the row stride padded to 16 bytes.
+    pad = (nk + 15) // 16 * 16
+    store = torch.zeros(b, hkv, d, pad, device="cuda", dtype=torch.float8_e4m3fn)
+    store[..., :nk] = v8.permute(0, 2, 3, 1)
+    v8 = store[..., :nk].permute(0, 3, 1, 2)
+    out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal)
+    err = (out.float() - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
