@@ -142,3 +142,15 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_inspect_shows_the_fp8_path_for_sm90a() -> None:
+    """``python -m cute_flash inspect --arch sm_90a --kernel fwd --dtype e4m3 --hdim 256 --json``:
+    the quantize kernels and the attention kernel, e4m3 wgmma (QGMMA), TMA, setmaxnreg, no spills."""
+    report = ins.inspect_variant(ins.Variant(arch="sm_90a", kernel="fwd", dtype="e4m3", hdim=256))
+    ptx = report["ptx"]
+    for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg.inc", "cvt.e4m3"):
+        assert ptx.get(op, 0) > 0, op
+    if report["sass"]:
+        assert report["sass"].get("QGMMA", 0) > 0 and report["sass"].get("HGMMA", 0) == 0
+    assert report["spill_bytes"] in (0, None) and report["local_bytes"] in (0, None)

@@ -232,9 +232,13 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
         assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd), kw
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64, family="sm80"))
     assert all("Sm90" not in type(c).__name__ for c in bwd)
-    for family in ("", "sm80", "sm90"):
+    # e4m3: the FP8 forward path (quantize kernels + FP8 attention) on sm_90a only.
+    for family in ("", "sm90"):
+        fp8 = ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3", family=family))
+        assert [type(c).__name__ for c in fp8][-1] == "FwdSm90Fp8Config"
+    for kw in (dict(family="sm80"), dict(kernel="bwd"), dict(arch="sm_80")):
         with pytest.raises(ValueError, match="e4m3"):
-            ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3", family=family))
+            ins.configs_for(ins.Variant(**{"arch": "sm_90a", "dtype": "e4m3", **kw}))
     with pytest.raises(ValueError, match="no kernel family"):
         ins.configs_for(ins.Variant(arch="sm_90a", kernel="nope"))
     # Head dims the sm90 forward lacks fall back to sm80, as the launcher's auto mode does.
