@@ -1,0 +1,119 @@
+"""FP8 forward on the GPU (developer tool, issue 5): the quantize kernels' bandwidth, the FP8
+attention's TFLOP/s beside our bf16 forward and flash-attn-4's in the same run, the end-to-end
+quantize + FP8 time, and the FA3 paper's accuracy experiment with the kernels. Every part is
+guarded: a failure prints its error and the next part runs.
+
+    python scripts/bench_fp8.py [--hdim 128 256] [--seqlen 2048 8192 16384] [--causal 0 1]
+        [--parts accuracy quant attn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import traceback
+
+import torch
+import triton.testing
+
+from cute_flash.fp8_ref import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
+from cute_flash.fwd import run_fwd
+from cute_flash.fwd_fp8 import run_fwd_fp8
+from cute_flash.quant import quantize_qkv
+from cute_flash.reference import attention_ref
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def guarded(name: str, fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - report and go on
+        print(f"{name}: FAILED\n{traceback.format_exc(limit=3)}", flush=True)
+
+
+def accuracy(d: int) -> None:
+    """RMSE vs fp64 of the kernels' output: bf16 forward, FP8 without and with rotation (N = 4k),
+    next to the same numbers from the CPU reference path."""
+    q, k, v = outlier_qkv(1, 4096, 2, d, seed=1, device="cuda")
+    ref, _ = attention_ref(q.double(), k.double(), v.double())
+    scale = 1.0 / math.sqrt(d)
+    row = {}
+    out = torch.empty_like(q, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 4096, device="cuda")
+    run_fwd(q.bfloat16(), k.bfloat16(), v.bfloat16(), out, lse, softmax_scale=scale, causal=False,
+            window_size=(-1, -1), softcap=0.0)
+    row["bf16"] = (out.double() - ref).pow(2).mean().sqrt().item()
+    for name, rot in (("fp8", False), ("fp8_rot", True)):
+        t = quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16(), rotate=rot, seed=0)
+        run_fwd_fp8(*t, out, lse, softmax_scale=scale)
+        row[name] = (out.double() - ref).pow(2).mean().sqrt().item()
+        o_ref, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=0), softmax_scale=scale)
+        row[name + "_ref"] = (o_ref.double() - ref).pow(2).mean().sqrt().item()
+    print(f"accuracy d={d} N=4096: " + " ".join(f"{k}={x:.2e}" for k, x in row.items()), flush=True)
+
+
+def quant_speed(d: int, n: int) -> None:
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms = bench(lambda: quantize_qkv(q, k, v, rotate=True))
+    moved = 3 * q.numel() * (2 + 2 + 1)  # two bf16 reads (amax, quant) and one e4m3 write each
+    ideal = 3 * q.numel() * (2 + 1)
+    print(f"quantize d={d} N={n}: {ms * 1e3:.0f} us, {moved / ms / 1e6:.0f} GB/s moved "
+          f"({ideal / ms / 1e6:.0f} GB/s of one-pass traffic)", flush=True)
+
+
+def attn_speed(d: int, n: int, causal: bool) -> None:
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = 1.0 / math.sqrt(d)
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, n, device="cuda")
+    t8 = quantize_qkv(q, k, v, rotate=True)
+    fns = {
+        "bf16": lambda: run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1),
+                                softcap=0.0),
+        "fp8": lambda: run_fwd_fp8(*t8, out, lse, softmax_scale=scale, causal=causal),
+        "quant+fp8": lambda: run_fwd_fp8(*quantize_qkv(q, k, v, rotate=True), out, lse, softmax_scale=scale,
+                                         causal=causal),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        fns["fa4-bf16"] = lambda: flash_attn_func(q, k, v, causal=causal)
+    except Exception:  # noqa: BLE001
+        pass
+    times: dict[str, list[float]] = {x: [] for x in fns}
+    names = list(fns)
+    for r in range(3):
+        for x in names[r % len(names):] + names[:r % len(names)]:
+            times[x].append(bench(fns[x]))
+    tf = {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
+    print(f"attn d={d} N={n} causal={int(causal)}: " + " ".join(f"{x} {v:.0f}" for x, v in tf.items())
+          + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"])
+    args = ap.parse_args()
+    for d in args.hdim:
+        if "accuracy" in args.parts:
+            guarded(f"accuracy d={d}", lambda d=d: accuracy(d))
+        for n in args.seqlen:
+            if "quant" in args.parts:
+                guarded(f"quantize d={d} N={n}", lambda d=d, n=n: quant_speed(d, n))
+            for c in map(bool, args.causal):
+                if "attn" in args.parts:
+                    guarded(f"attn d={d} N={n} causal={c}", lambda d=d, n=n, c=c: attn_speed(d, n, c))
+
+
+if __name__ == "__main__":
+    main()
