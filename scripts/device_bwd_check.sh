@@ -2,7 +2,7 @@
 # One device call for the sm90 backward (developer tool): GPU tests in 8 shards, the backward
 # switches against the default, then the standard backward grid beside the peers. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
-#   scripts/device_bwd_check.sh [tests] [tune] [bench]      (default: all three)
+#   scripts/device_bwd_check.sh [tests] [tune] [bench] [fp8]   (default: tests tune bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -31,6 +31,11 @@ for p in "${parts[@]}"; do
         --providers ours ours-det sdpa-flash sdpa-cudnn fa4 --out "$OUT" > "$OUT/bench.log" 2>&1
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
+    fp8)
+      # Issue 5: accuracy with the kernels, quantize bandwidth, FP8 vs bf16 vs FA4.
+      timeout "${FP8_TIMEOUT:-200}" python scripts/bench_fp8.py > "$OUT/fp8.log" 2>&1
+      echo "== fp8 rc=$?"
+      grep -E "^(accuracy|quantize|attn)|FAILED" "$OUT/fp8.log" ;;
     *) echo "unknown part $p" >&2; exit 2 ;;
   esac
 done
