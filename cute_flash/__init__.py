@@ -4,8 +4,8 @@ Importing the package registers the ``torch.ops.cute_flash`` custom ops; the DSL
 are only imported when a kernel is first launched or compiled.
 """
 
-from cute_flash.api import attention, flash_attn_func, flash_attn_varlen_func
+from cute_flash.api import attention, flash_attn_func, flash_attn_varlen_func, quantize_qkv
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["__version__", "attention", "flash_attn_func", "flash_attn_varlen_func", "quantize_qkv"]

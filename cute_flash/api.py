@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cute_flash import fp8_ops, validate
 from cute_flash import ops as _ops  # noqa: F401  (registers torch.ops.cute_flash.*)
-from cute_flash import validate
 
 
 def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -29,7 +29,9 @@ def _op_args(q: torch.Tensor, softmax_scale: float | None, window_size: Sequence
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    deterministic: bool = False, return_lse: bool = False
+                    deterministic: bool = False, return_lse: bool = False, *,
+                    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+                    v_descale: torch.Tensor | None = None, fp8: bool = False
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on (B, N, H, d) tensors.
 
@@ -40,10 +42,38 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
 
     Returns out (B, Nq, H, dv), or (out, lse) with lse (B, H, Nq) float32 (natural log; -inf for
     a query that sees no key, whose output is 0).
+
+    FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
+    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
+    omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
+    (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales). On a GPU the
+    FP8 kernels are not yet validated and run only with ``CUTE_FLASH_FP8=1``.
     """
+    if fp8 or q.dtype == fp8_ops.FP8:
+        if softcap != 0.0:
+            raise ValueError("FP8 attention has no softcap")
+        out, lse = fp8_ops.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size,
+                                         descales=(q_descale, k_descale, v_descale), quantize=fp8)
+        return (out, lse) if return_lse else out
+    if any(x is not None for x in (q_descale, k_descale, v_descale)):
+        raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = torch.ops.cute_flash.fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True, seed: int = 0
+                 ) -> tuple[torch.Tensor, ...]:
+    """(q8, k8, v8, q_descale, k_descale, v_descale) for the FP8 forward: Q and K multiplied by the
+    same random-sign Hadamard matrix D H / sqrt(d) along the head dim (``rotate``; Q K^T is
+    unchanged, outliers are spread), e4m3 with saturation and per-(batch, kv head) scales,
+    descales fp32 (B, H_kv); v8 is (B, N, H_kv, d) over token-contiguous storage. Inputs bf16 /
+    fp16 (B, N, H, d) / (B, N, H_kv, d), d in 64 / 128 / 256."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError("quantize_qkv: q, k, v must all be bf16 or all fp16")
+    fp8_ops._check_heads(q, k, v)
+    return tuple(torch.ops.cute_flash.quantize_qkv(q, k, v, bool(rotate), int(seed)))
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

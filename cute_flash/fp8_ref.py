@@ -12,8 +12,8 @@ V is not rotated (it would have to be rotated back after P V).
 
 Scales follow FA3: one per (batch, kv head) for each of Q (over the query heads of the group), K
 and V; ``x8 = sat_e4m3(x * 448 / amax)``, descale = amax / 448, shape (B, H_kv), fp32.
-``v8`` keeps the (B, N, H_kv, d) shape but its storage is (B, H_kv, d, N): the sequence dim is
-contiguous, as the FP8 P V wgmma needs its K (= keys) operand K-major.
+``v8`` keeps the (B, N, H_kv, d) shape but its storage is (B, H_kv, d, N_pad): the sequence dim
+is contiguous, as the FP8 P V wgmma needs its K (= keys) operand K-major (``token_contiguous``).
 """
 
 from __future__ import annotations
@@ -90,8 +90,26 @@ def quantize_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotat
         x[0], x[1] = rotate(x[0], seed), rotate(x[1], seed)
     amax = [_group_amax(t, hkv) for t in x]
     q8, k8, v8 = (_quantize(t, a, hkv) for t, a in zip(x, amax, strict=True))
-    v8 = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # storage (B, Hkv, d, N)
-    return q8, k8, v8, *(a / E4M3_MAX for a in amax)
+    return q8, k8, token_contiguous(v8), *(a / E4M3_MAX for a in amax)
+
+
+def v_storage_strides(b: int, n: int, hkv: int, d: int) -> tuple[int, int, int, int]:
+    """Strides of the (B, N, H_kv, d) v8 view over (B, H_kv, d, N_pad) storage, N_pad = N rounded
+    up to 16 (16-byte rows: the FP8 kernel's TMA)."""
+    n_pad = (n + 15) // 16 * 16
+    return (hkv * d * n_pad, 1, d * n_pad, n_pad)
+
+
+def token_contiguous(v8: torch.Tensor) -> torch.Tensor:
+    """v8 (B, N, H_kv, d) with the layout the FP8 P V product needs (``v_storage_strides``);
+    the padding tokens are zeros."""
+    b, n, hkv, d = v8.shape
+    if v8.stride() == v_storage_strides(b, n, hkv, d):
+        return v8
+    n_pad = (n + 15) // 16 * 16
+    store = torch.zeros(b, hkv, d, n_pad, dtype=v8.dtype, device=v8.device)
+    store[..., :n] = v8.permute(0, 2, 3, 1)
+    return store[..., :n].permute(0, 3, 1, 2)
 
 
 def _expand_descale(descale: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -128,11 +128,6 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     q = torch.randn(b, nq, h, d, device="cuda")
     k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
     q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3)
-    # The kernel's V layout: token-contiguous with the row stride padded to 16 bytes.
-    pad = (nk + 15) // 16 * 16
-    store = torch.zeros(b, hkv, d, pad, device="cuda", dtype=torch.float8_e4m3fn)
-    store[..., :nk] = v8.permute(0, 2, 3, 1)
-    v8 = store[..., :nk].permute(0, 3, 1, 2)
     out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
@@ -154,3 +149,21 @@ def test_inspect_shows_the_fp8_path_for_sm90a() -> None:
     if report["sass"]:
         assert report["sass"].get("QGMMA", 0) > 0 and report["sass"].get("HGMMA", 0) == 0
     assert report["spill_bytes"] in (0, None) and report["local_bytes"] in (0, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_fp8_true_through_the_public_api_matches_the_cpu_path(monkeypatch) -> None:
+    """``flash_attn_func(..., fp8=True)`` on the GPU (kernels, opted in) against the same call on
+    the CPU (reference ops): same quantization, so within e4m3 P rounding of each other."""
+    import torch
+
+    from cute_flash import flash_attn_func, fp8_ops
+
+    monkeypatch.setenv(fp8_ops.FP8_ENV, "1")
+    torch.manual_seed(4)
+    q = torch.randn(2, 333, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 400, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    cpu = flash_attn_func(q, k, v, causal=True, fp8=True)
+    gpu = flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True, fp8=True).cpu()
+    assert (gpu.float() - cpu.float()).abs().max() < 0.05 * cpu.float().abs().max()

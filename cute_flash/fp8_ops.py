@@ -1,0 +1,162 @@
+"""FP8 (e4m3) forward ops (issue 5): ``cute_flash::quantize_qkv`` and ``cute_flash::fwd_fp8``,
+and ``fp8_attention`` behind ``flash_attn_func``'s e4m3 inputs and ``fp8=True``.
+
+As the other ``cute_flash`` ops: a fake implementation (``torch.compile(fullgraph=True)``), a CPU
+implementation from the reference (``fp8_ref``), a CUDA implementation that launches the kernels
+(``quant.quantize_qkv``, ``fwd_fp8.run_fwd_fp8``). The CUDA kernels have been compiled and
+PTX-checked but not yet run on a GPU: until they have (``FP8_GPU_CHECKED``), the CUDA
+implementations refuse to run unless ``CUTE_FLASH_FP8=1`` asks for them explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from cute_flash import fp8_ref
+
+Tensor = torch.Tensor
+FP8 = torch.float8_e4m3fn
+FP8_HDIMS = (64, 128, 256)
+FP8_GPU_CHECKED = False
+FP8_ENV = "CUTE_FLASH_FP8"
+
+
+def _require_gpu_checked() -> None:
+    if not FP8_GPU_CHECKED and os.environ.get(FP8_ENV, "") != "1":
+        raise NotImplementedError(
+            "cute_flash: the FP8 kernels have not been validated on a GPU yet; set "
+            f"{FP8_ENV}=1 to run them anyway (developers), or use bf16 / fp16 inputs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, N, H, d), got shape {tuple(t.shape)}")
+    b, _, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, N_k, H_kv, d) with q's B and d: {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if d not in FP8_HDIMS:
+        raise ValueError(f"FP8 attention: head dim {d} not supported {FP8_HDIMS}")
+    if k.shape[2] == 0 or h % k.shape[2]:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[2]})")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+
+
+def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor, ...]) -> None:
+    for name, t in (("q", q8), ("k", k8), ("v", v8)):
+        if t.dtype != FP8:
+            raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
+        if t.requires_grad:
+            raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
+    _check_heads(q8, k8, v8)
+    shape = (q8.shape[0], k8.shape[2])
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
+            raise ValueError(f"{name} must be float32 of shape (B, H_kv) = {shape} on {q8.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# cute_flash::quantize_qkv
+# ---------------------------------------------------------------------------------------------
+def _quant_fake(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+    b, nk, hkv, d = k.shape
+    v8 = torch.empty_strided(v.shape, fp8_ref.v_storage_strides(b, nk, hkv, d), dtype=FP8, device=v.device)
+    ds = [q.new_empty((b, hkv), dtype=torch.float32) for _ in range(3)]
+    return (torch.empty_like(q, dtype=FP8, memory_format=torch.contiguous_format),
+            torch.empty_like(k, dtype=FP8, memory_format=torch.contiguous_format), v8, *ds)
+
+
+@torch.library.custom_op("cute_flash::quantize_qkv", mutates_args=(), device_types="cpu")
+def quantize_qkv_op(q: Tensor, k: Tensor, v: Tensor, rotate: bool, seed: int
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q8, k8, v8, *ds = fp8_ref.quantize_qkv_ref(q, k, v, rotate_qk=rotate, seed=seed)
+    return q8.contiguous(), k8.contiguous(), v8, *ds
+
+
+@quantize_qkv_op.register_kernel("cuda")
+def _(q, k, v, rotate, seed):
+    _require_gpu_checked()
+    from cute_flash.quant import quantize_qkv
+
+    return quantize_qkv(q, k, v, rotate=rotate, seed=seed)
+
+
+@quantize_qkv_op.register_fake
+def _(q, k, v, rotate, seed):
+    return _quant_fake(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# cute_flash::fwd_fp8
+# ---------------------------------------------------------------------------------------------
+def _fwd_fp8_fake(q8: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    b, nq, h, d = q8.shape
+    return (q8.new_empty((b, nq, h, d), dtype=out_dtype), q8.new_empty((b, h, nq), dtype=torch.float32))
+
+
+@torch.library.custom_op("cute_flash::fwd_fp8", mutates_args=(), device_types="cpu")
+def fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
+            softmax_scale: float, causal: bool, window_left: int, window_right: int,
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    out, lse = fp8_ref.attention_fp8_ref(q8, k8, v8, q_descale, k_descale, v_descale,
+                                         softmax_scale=softmax_scale, causal=causal,
+                                         window_size=(window_left, window_right))
+    return out.to(out_dtype).contiguous(), lse.contiguous()
+
+
+@fwd_fp8.register_kernel("cuda")
+def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
+      out_dtype):
+    _require_gpu_checked()
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+
+    out, lse = _fwd_fp8_fake(q8, out_dtype)
+    run_fwd_fp8(q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous(v8), q_descale, k_descale,
+                v_descale, out, lse, softmax_scale=softmax_scale, causal=causal,
+                window_size=(window_left, window_right))
+    return out, lse
+
+
+@fwd_fp8.register_fake
+def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
+      out_dtype):
+    return _fwd_fp8_fake(q8, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The flash_attn_func path
+# ---------------------------------------------------------------------------------------------
+def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None, causal: bool,
+                  window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
+                  seed: int = 0) -> tuple[Tensor, Tensor]:
+    """(out, lse) of FP8 attention: e4m3 inputs with their descales (missing ones = 1), or, with
+    ``quantize``, bf16 / fp16 inputs quantized with the Hadamard rotation first (output in their
+    dtype; e4m3 inputs give bf16)."""
+    if quantize:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
+        if any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("fp8=True is forward-only: the inputs must not require grad")
+        if any(x is not None for x in descales):
+            raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
+        _check_heads(q, k, v)
+        out_dtype = q.dtype
+        q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed))
+    else:
+        shape = (q.shape[0], k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (1, 1)
+        ds = [x if x is not None else torch.ones(shape, dtype=torch.float32, device=q.device)
+              for x in descales]
+        out_dtype = torch.bfloat16
+    check_fp8_inputs(q, k, v, tuple(ds))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.cute_flash.fwd_fp8(q, k, v, *ds, float(scale), bool(causal), int(window_size[0]),
+                                        int(window_size[1]), out_dtype)
