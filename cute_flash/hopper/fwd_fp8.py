@@ -12,7 +12,9 @@ What differs from 16 bit, and why:
   swaps 16-bit pairs with the other three lanes of its quad (``quad_exchange_p``, 4 shuffles
   and 4 byte merges per 32 keys and row pair).
 * The per-(batch, kv head) descales fold into the scores' exp2 scale (q_descale * k_descale) and
-  into O's final 1 / row-sum factor (v_descale); LSE comes out in the descaled units.
+  into O's final 1 / row-sum factor (v_descale, and 1 / ``fp8_ref.P_SCALE``: P is scaled up
+  before its e4m3 cast to keep small probabilities out of the subnormals); LSE comes out in the
+  descaled units.
 
 Compiled and PTX-checked on the CPU; not yet run on a GPU (see docs/notes.md).
 """
@@ -26,6 +28,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_flash.ampere import common
+from cute_flash.fp8_ref import P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
 
 
@@ -109,7 +112,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
-        rP.store(acc_S.load().to(self.dtype))  # cvt.rn.satfinite.e4m3x2 (P <= 1: no scale needed)
+        # cvt.rn.satfinite.e4m3x2 of P * P_SCALE: small probabilities stay out of e4m3's
+        # subnormals (fp8_ref.P_SCALE); O is divided by it in ``output_scale``.
+        rP.store((acc_S.load() * Float32(P_SCALE)).to(self.dtype))
         quad_exchange_p(rP, self.tile_n // 32)
 
     def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
@@ -123,6 +128,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         ctx.v_descale = mVd[batch, head_kv]
 
     def output_scale(self, ctx, row_scale):
+        factor = ctx.v_descale * Float32(1.0 / P_SCALE)
         for r in range(cute.size(row_scale)):
-            row_scale[r] = row_scale[r] * ctx.v_descale
+            row_scale[r] = row_scale[r] * factor
         return row_scale
