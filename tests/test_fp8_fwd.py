@@ -176,7 +176,6 @@ def test_fp8_kernels_reproduce_the_fa3_outlier_accuracy_experiment(d: int, monke
     """The FA3 paper's experiment with our kernels (quantize + FP8 attention) at N = 4k: RMSE vs
     fp64 with rotation <= 9.1e-3 (the paper's), and rotation lowering it by >= 2.5x at d = 256 and
     >= 2x at d = 128 (what per-(batch, head) scales reach there; docs/notes.md)."""
-    import torch
 
     from cute_flash import flash_attn_func, fp8_ops
     from cute_flash.fp8_ref import outlier_qkv
