@@ -72,7 +72,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     fp16 (B, N, H, d) / (B, N, H_kv, d), d in 64 / 128 / 256."""
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError("quantize_qkv: q, k, v must all be bf16 or all fp16")
-    fp8_ops._check_heads(q, k, v)
+    fp8_ops.check_heads(q, k, v)
     return tuple(torch.ops.cute_flash.quantize_qkv(q, k, v, bool(rotate), int(seed)))
 
 

@@ -34,7 +34,7 @@ def _require_gpu_checked() -> None:
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
-def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
+def check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (B, N, H, d), got shape {tuple(t.shape)}")
@@ -56,7 +56,7 @@ def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor,
             raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
         if t.requires_grad:
             raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
-    _check_heads(q8, k8, v8)
+    check_heads(q8, k8, v8)
     shape = (q8.shape[0], k8.shape[2])
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
         if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
@@ -148,7 +148,7 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
             raise ValueError("fp8=True is forward-only: the inputs must not require grad")
         if any(x is not None for x in descales):
             raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
-        _check_heads(q, k, v)
+        check_heads(q, k, v)
         out_dtype = q.dtype
         q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed))
     else:

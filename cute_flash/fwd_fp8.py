@@ -100,6 +100,7 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
                            causal=causal, local=local)
     fn = jit.compile_kernel(cfg)
-    counter = torch.zeros(1, dtype=torch.int32, device=q8.device)  # read only by the persistent grid
+    # The tile-counter slot: a cached placeholder (no persistent grid for FP8 yet).
+    (counter,) = cfg.launch_args(q8.device)
     fn(q8, k8, v8, out, lse, None, None, float(softmax_scale), 0.0, left, right, q8.shape[1], counter,
        q_descale, k_descale, v_descale)

@@ -12,9 +12,9 @@ import cutlass
 import torch
 
 from cute_flash import jit
+from cute_flash.fp8_ops import FP8_HDIMS as QUANT_HDIMS  # powers of two (Walsh-Hadamard), d / 32 lanes
+from cute_flash.fp8_ops import check_heads
 from cute_flash.fp8_ref import E4M3_MAX, hadamard_signs
-
-QUANT_HDIMS = (64, 128, 256)  # powers of two (the Walsh-Hadamard transform), d / 32 lanes' worth
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name}: the head dim must be contiguous and rows 16-byte aligned")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise TypeError("q, k, v must share a dtype")
-    b, n, h, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be (B, N_k, H_kv, d) with q's B and d: {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if d not in QUANT_HDIMS:
-        raise ValueError(f"head dim {d} not supported by the quantizer {QUANT_HDIMS}")
-    if h % k.shape[2]:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[2]})")
+    check_heads(q, k, v)
+
+
+_SIGNS: dict[tuple, torch.Tensor] = {}
+
+
+def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The rotation's +-1 diagonal on the device, made once per (d, seed, device) rather than
+    drawn and copied on every call."""
+    key = (d, int(seed), device)
+    if key not in _SIGNS:
+        _SIGNS[key] = hadamard_signs(d, seed).to(device)
+    return _SIGNS[key]
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True,
@@ -98,7 +103,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     b, _, _, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     amax = torch.zeros(3, b, hkv, device=q.device, dtype=torch.float32)
-    signs = hadamard_signs(d, seed).to(q.device)
+    signs = _signs(d, seed, q.device)
     f8 = torch.float8_e4m3fn
     q8, k8 = torch.empty_like(q, dtype=f8), torch.empty_like(k, dtype=f8)
     v_store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=q.device, dtype=f8)
