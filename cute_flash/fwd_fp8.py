@@ -82,11 +82,11 @@ assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256
 
 
 def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
-                causal: bool = False, window_size: tuple[int, int] = (-1, -1)) -> None:
+                causal: bool = False, window_size: tuple[int, int] = (-1, -1), **overrides) -> None:
     """Launch the FP8 forward (developer entry point until GPU-checked): e4m3 ``q8`` / ``k8``
     (B, N, H, d) and ``v8`` (B, N_k, H_kv, d) over token-contiguous storage, as
     ``quant.quantize_qkv`` returns them; writes ``out`` (B, N, H, d) bf16 / fp16 and ``lse``
-    (B, H, N) fp32."""
+    (B, H, N) fp32. ``overrides``: config fields (tile sizes, switches) for tuning."""
     import torch
 
     from cute_flash.fwd import normalize_window
@@ -98,7 +98,7 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     causal, local, left, right = normalize_window(causal, window_size)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
-                           causal=causal, local=local)
+                           causal=causal, local=local, **overrides)
     fn = jit.compile_kernel(cfg)
     # The tile-counter slot: a cached placeholder (no persistent grid for FP8 yet).
     (counter,) = cfg.launch_args(q8.device)

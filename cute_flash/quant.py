@@ -1,7 +1,5 @@
 """Quantize-and-rotate for the FP8 forward (issue 5): kernel configs and the torch-side launcher of
 ``cute_flash.hopper.quant``; ``cute_flash.fp8_ref.quantize_qkv_ref`` is the reference.
-
-Not yet run on a GPU (compiled and PTX-checked on the CPU), so no public entry point calls it yet.
 """
 
 from __future__ import annotations
@@ -102,7 +100,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     b, _, _, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    amax = torch.zeros(3, b, hkv, device=q.device, dtype=torch.float32)
+    # Three separate buffers, not one (3, B, H_kv): the descales are returned, and outputs of a
+    # custom op must not alias one another.
+    amax = [torch.zeros(b, hkv, device=q.device, dtype=torch.float32) for _ in range(3)]
     signs = _signs(d, seed, q.device)
     f8 = torch.float8_e4m3fn
     q8, k8 = torch.empty_like(q, dtype=f8), torch.empty_like(k, dtype=f8)
@@ -115,4 +115,4 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
         qk_quant(x, signs, amax[i], out)
     v_quant(v, signs, amax[2], v_store)
     v8 = v_store[..., :nk].permute(0, 3, 1, 2)
-    return q8, k8, v8, *(amax / E4M3_MAX).unbind(0)
+    return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
