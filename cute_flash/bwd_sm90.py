@@ -37,8 +37,11 @@ SM90_BWD_TILE_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
 SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 # The dQ writer warp (``BwdSm90Config.dq_warp``), measured on the H200 at N = 8k: at d = 256 it
 # is worth its 64 KiB of smem even with a single Q / dO stage (+9% / +10% non-causal / causal);
-# at d = 192 (single stage too) it is not (-5% / +4%).
+# at d = 192 (single stage too) only for causal (441 -> 416 non-causal, 400 -> 416-431 causal); at
+# (192, 128), where two stages still fit beside it, 408 -> 439 non-causal.
 SM90_BWD_DQ_WARP = {64: True, 96: True, 128: True, 192: False, 256: True}
+SM90_BWD_DQ_WARP_CAUSAL = {192: True}
+SM90_BWD_DQ_WARP_NARROW_V = {(192, 128): True}
 # Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack).
 SM90_BWD_TILE_N_SOFTCAP = {192: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
@@ -46,7 +49,7 @@ SM90_SMEM_BYTES = 227 * 1024
 # d_v != d: (192, 128) (DeepSeek-style MLA prefill heads) in the wide kernel, whose dV^T keeps the
 # head dim on M, so a narrower V only shortens it (48 fp32 registers instead of 72).
 SM90_BWD_NARROW_V = {192: 128}
-SM90_BWD_GPU_CHECKED_V: tuple = ()  # compiled, not yet run on a GPU: forced-only
+SM90_BWD_GPU_CHECKED_V: tuple = ((192, 128),)
 # Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
 # it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
 # only for what has passed the GPU suite.
@@ -124,7 +127,10 @@ class BwdSm90Config(jit.KernelConfig):
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
         if self.dq_warp is None:
-            object.__setattr__(self, "dq_warp", SM90_BWD_DQ_WARP[self.hdim] and not self.deterministic)
+            dq_warp = SM90_BWD_DQ_WARP_NARROW_V.get((self.hdim, self.hdim_v), SM90_BWD_DQ_WARP[self.hdim])
+            if self.causal:
+                dq_warp = SM90_BWD_DQ_WARP_CAUSAL.get(self.hdim, dq_warp)
+            object.__setattr__(self, "dq_warp", dq_warp and not self.deterministic)
         if not self.stages:
             object.__setattr__(self, "stages", 2)
             if self.smem_bytes() > SM90_SMEM_BYTES:

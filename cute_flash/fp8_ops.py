@@ -20,7 +20,7 @@ from cute_flash import fp8_ref
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
 FP8_HDIMS = (64, 128, 256)
-FP8_GPU_CHECKED = False
+FP8_GPU_CHECKED = True
 FP8_ENV = "CUTE_FLASH_FP8"
 
 

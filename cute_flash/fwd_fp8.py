@@ -1,6 +1,5 @@
 """FP8 (e4m3) forward on Hopper (issue 5): the kernel config of ``cute_flash.hopper.fwd_fp8``.
 
-Compiled and PTX-checked on the CPU; not yet run on a GPU, so no public entry point launches it.
 Inputs as ``quant.quantize_qkv`` returns them: e4m3 Q, K in (B, N, H, d), V as a (B, N, H_kv, d)
 view of token-contiguous storage, fp32 (B, H_kv) descales; O in bf16 / fp16 (``dtype``).
 """
@@ -15,11 +14,23 @@ from cute_flash import jit
 from cute_flash.fwd_sm90 import SM90_SMEM_LIMIT, FwdSm90Config
 
 # (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap) per head dim.
-# tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time); with 1-byte K / V
-# the 16-bit tiles' smem budget leaves room, d = 256 takes 96 keys (128 would reach 227 KiB
-# exactly). Not yet tuned on a GPU.
+# tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time). With 1-byte Q / K / V
+# the tiles grow past the 16-bit ones; chosen by scripts/tune_fp8.py on the H200 (TFLOP/s, N = 8k /
+# 16k, non-causal | causal; docs/notes.md):
+# - d = 64: 192 x 160 on three warpgroups, 582 | 506 (128 x 128: 498 | 451).
+# - d = 128: 128 x 192 with ping-pong, 841-847 | 778-828 (128 x 128: 771-787 | 724-766; 224 keys
+#   and 160 keys both lower).
+# - d = 256: 128 x 128 (smem exactly 227 KiB), 1132-1145 | 1066-1113 (128 x 96: 968-1002 |
+#   928-1005); ping-pong on or off within 2%.
 SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (128, 128, 2, 2, False, True),  # the 3-warpgroup 192-row tile spills 32 bytes (local)
+    64: (192, 160, 2, 3, False, True),
+    128: (128, 192, 2, 2, True, True),
+    256: (128, 128, 2, 2, False, True),
+}
+# Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
+# tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
+SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
+    64: (128, 128, 2, 2, False, True),
     128: (128, 128, 2, 2, False, True),
     256: (128, 96, 2, 2, True, True),
 }
@@ -37,7 +48,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
             raise ValueError(f"FP8 forward: head dims {tuple(SM90_FP8_FWD_TILES)} with d_v = d")
         if self.softcap or self.varlen or self.pack_gqa != 1 or self.num_ctas:
             raise ValueError("FP8 forward: no softcap, varlen, packed GQA or persistent grid yet")
-        tile_m, tile_n, stages, wgs, pingpong, overlap = SM90_FP8_FWD_TILES[self.hdim]
+        table = SM90_FP8_FWD_TILES_LOCAL if self.local else SM90_FP8_FWD_TILES
+        tile_m, tile_n, stages, wgs, pingpong, overlap = table[self.hdim]
         for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("stages", stages),
                             ("num_mma_wg", wgs)):
             if not getattr(self, name):

@@ -102,6 +102,9 @@ class FwdSm90Config(jit.KernelConfig):
     # Seed each row's sum chain with row_sum * scale (flash-attn-4's order): in SASS the O rescale
     # then interleaves with the exponentials instead of trailing them. Off until measured.
     seed_row_sum: bool | None = None
+    # 1 in ``exp2_emu`` of the softmax exponentials computed by a polynomial on the FMA pipe
+    # (``kernels/softmax.exp2_poly``) instead of the MUFU; 0: none.
+    exp2_emu: int = 0
     # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
     # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py;
     # default everywhere but the masked 3-warpgroup d=64 tile, where spinning measured slower).

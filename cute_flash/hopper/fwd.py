@@ -470,7 +470,7 @@ class FlashFwdSm90:
             wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
-                                seed_sum=self.cfg.seed_row_sum)
+                                seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
