@@ -3,15 +3,14 @@ and ``fp8_attention`` behind ``flash_attn_func``'s e4m3 inputs and ``fp8=True``.
 
 As the other ``cute_flash`` ops: a fake implementation (``torch.compile(fullgraph=True)``), a CPU
 implementation from the reference (``fp8_ref``), a CUDA implementation that launches the kernels
-(``quant.quantize_qkv``, ``fwd_fp8.run_fwd_fp8``). The CUDA kernels have been compiled and
-PTX-checked but not yet run on a GPU: until they have (``FP8_GPU_CHECKED``), the CUDA
-implementations refuse to run unless ``CUTE_FLASH_FP8=1`` asks for them explicitly.
+(``quant.quantize_qkv``, ``fwd_fp8.run_fwd_fp8``). ``v_perm``: V travels between the two in the
+attention kernel's own token order (``fp8_ref.V_PERM16``), as (B, H_kv, d, N_pad) storage -- the
+``fp8=True`` path; e4m3 V from the caller keeps its natural order.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -20,15 +19,6 @@ from cute_flash import fp8_ref
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
 FP8_HDIMS = (64, 128, 256)
-FP8_GPU_CHECKED = True
-FP8_ENV = "CUTE_FLASH_FP8"
-
-
-def _require_gpu_checked() -> None:
-    if not FP8_GPU_CHECKED and os.environ.get(FP8_ENV, "") != "1":
-        raise NotImplementedError(
-            "cute_flash: the FP8 kernels have not been validated on a GPU yet; set "
-            f"{FP8_ENV}=1 to run them anyway (developers), or use bf16 / fp16 inputs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,32 +57,35 @@ def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor,
 # ---------------------------------------------------------------------------------------------
 # cute_flash::quantize_qkv
 # ---------------------------------------------------------------------------------------------
-def _quant_fake(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+def _quant_fake(q: Tensor, k: Tensor, v: Tensor, v_perm: bool) -> tuple[Tensor, ...]:
     b, nk, hkv, d = k.shape
-    v8 = torch.empty_strided(v.shape, fp8_ref.v_storage_strides(b, nk, hkv, d), dtype=FP8, device=v.device)
+    if v_perm:
+        v8 = v.new_empty((b, hkv, d, (nk + 15) // 16 * 16), dtype=FP8)
+    else:
+        strides = fp8_ref.v_storage_strides(b, nk, hkv, d)
+        v8 = torch.empty_strided(v.shape, strides, dtype=FP8, device=v.device)
     ds = [q.new_empty((b, hkv), dtype=torch.float32) for _ in range(3)]
     return (torch.empty_like(q, dtype=FP8, memory_format=torch.contiguous_format),
             torch.empty_like(k, dtype=FP8, memory_format=torch.contiguous_format), v8, *ds)
 
 
 @torch.library.custom_op("cute_flash::quantize_qkv", mutates_args=(), device_types="cpu")
-def quantize_qkv_op(q: Tensor, k: Tensor, v: Tensor, rotate: bool, seed: int
+def quantize_qkv_op(q: Tensor, k: Tensor, v: Tensor, rotate: bool, seed: int, v_perm: bool = False
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    q8, k8, v8, *ds = fp8_ref.quantize_qkv_ref(q, k, v, rotate_qk=rotate, seed=seed)
+    q8, k8, v8, *ds = fp8_ref.quantize_qkv_ref(q, k, v, rotate_qk=rotate, seed=seed, v_perm=v_perm)
     return q8.contiguous(), k8.contiguous(), v8, *ds
 
 
 @quantize_qkv_op.register_kernel("cuda")
-def _(q, k, v, rotate, seed):
-    _require_gpu_checked()
+def _(q, k, v, rotate, seed, v_perm=False):
     from cute_flash.quant import quantize_qkv
 
-    return quantize_qkv(q, k, v, rotate=rotate, seed=seed)
+    return quantize_qkv(q, k, v, rotate=rotate, seed=seed, v_perm=v_perm)
 
 
 @quantize_qkv_op.register_fake
-def _(q, k, v, rotate, seed):
-    return _quant_fake(q, k, v)
+def _(q, k, v, rotate, seed, v_perm=False):
+    return _quant_fake(q, k, v, v_perm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,29 +99,28 @@ def _fwd_fp8_fake(q8: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("cute_flash::fwd_fp8", mutates_args=(), device_types="cpu")
 def fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
             softmax_scale: float, causal: bool, window_left: int, window_right: int,
-            out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+            out_dtype: torch.dtype, v_perm: bool = False) -> tuple[Tensor, Tensor]:
     out, lse = fp8_ref.attention_fp8_ref(q8, k8, v8, q_descale, k_descale, v_descale,
                                          softmax_scale=softmax_scale, causal=causal,
-                                         window_size=(window_left, window_right))
+                                         window_size=(window_left, window_right), v_perm=v_perm)
     return out.to(out_dtype).contiguous(), lse.contiguous()
 
 
 @fwd_fp8.register_kernel("cuda")
 def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
-      out_dtype):
-    _require_gpu_checked()
+      out_dtype, v_perm=False):
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
     out, lse = _fwd_fp8_fake(q8, out_dtype)
-    run_fwd_fp8(q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous(v8), q_descale, k_descale,
-                v_descale, out, lse, softmax_scale=softmax_scale, causal=causal,
-                window_size=(window_left, window_right))
+    run_fwd_fp8(q8.contiguous(), k8.contiguous(), v8 if v_perm else fp8_ref.token_contiguous(v8), q_descale,
+                k_descale, v_descale, out, lse, softmax_scale=softmax_scale, causal=causal,
+                window_size=(window_left, window_right), v_perm=v_perm)
     return out, lse
 
 
 @fwd_fp8.register_fake
 def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
-      out_dtype):
+      out_dtype, v_perm=False):
     return _fwd_fp8_fake(q8, out_dtype)
 
 
@@ -150,13 +142,14 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
             raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
         check_heads(q, k, v)
         out_dtype = q.dtype
-        q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed))
+        # V straight into the kernel's token order: P then needs no exchange between lanes.
+        q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed), True)
     else:
         shape = (q.shape[0], k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (1, 1)
         ds = [x if x is not None else torch.ones(shape, dtype=torch.float32, device=q.device)
               for x in descales]
         out_dtype = torch.bfloat16
-    check_fp8_inputs(q, k, v, tuple(ds))
+        check_fp8_inputs(q, k, v, tuple(ds))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.cute_flash.fwd_fp8(q, k, v, *ds, float(scale), bool(causal), int(window_size[0]),
-                                        int(window_size[1]), out_dtype)
+                                        int(window_size[1]), out_dtype, quantize)

@@ -85,17 +85,19 @@ def _quantize(x: torch.Tensor, amax: torch.Tensor, num_kv_heads: int) -> torch.T
 
 
 def quantize_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate_qk: bool = True,
-                     seed: int = 0) -> tuple[torch.Tensor, ...]:
+                     seed: int = 0, v_perm: bool = False) -> tuple[torch.Tensor, ...]:
     """(q8, k8, v8, q_descale, k_descale, v_descale) from (B, N, H, d) q and (B, N, H_kv, d) k, v:
     Q and K rotated (``rotate_qk``), per-(batch, kv head) scales, e4m3 with saturation; v8 stored
-    sequence-contiguous (module docstring). Computed in fp32."""
+    sequence-contiguous (module docstring), or with ``v_perm`` the (B, H_kv, d, N_pad) storage in
+    the kernel's order (``V_PERM16``). Computed in fp32."""
     hkv = k.shape[2]
     x = [t.float() for t in (q, k, v)]
     if rotate_qk:
         x[0], x[1] = rotate(x[0], seed), rotate(x[1], seed)
     amax = [_group_amax(t, hkv) for t in x]
     q8, k8, v8 = (_quantize(t, a, hkv) for t, a in zip(x, amax, strict=True))
-    return q8, k8, token_contiguous(v8), *(a / E4M3_MAX for a in amax)
+    v8 = v_kernel_order(v8) if v_perm else token_contiguous(v8)
+    return q8, k8, v8, *(a / E4M3_MAX for a in amax)
 
 
 def v_storage_strides(b: int, n: int, hkv: int, d: int) -> tuple[int, int, int, int]:
@@ -117,6 +119,38 @@ def token_contiguous(v8: torch.Tensor) -> torch.Tensor:
     return store[..., :n].permute(0, 3, 1, 2)
 
 
+# The FP8 kernel's own V order (``v_perm``): within every 16 tokens, storage position p holds token
+# V_PERM16[p] (bits p0 p1 p2 p3 -> p0 p2 p3 p1). The S accumulator gives lane q of a quad the key
+# pairs 2q, 2q + 1 and 2q + 8, 2q + 9 of each 16; the k32 A fragment wants that lane's 4 P bytes
+# at positions 4q .. 4q + 3. Stored in this order, V meets P where each lane already holds it,
+# and no P bytes cross lanes (``hopper.fwd_fp8``: a byte merge instead of a quad exchange).
+V_PERM16 = tuple((p & 1) | ((p >> 2) & 1) << 1 | ((p >> 3) & 1) << 2 | ((p >> 1) & 1) << 3 for p in range(16))
+
+
+def permute_v_storage(store: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, d, N_pad) token-contiguous V storage in natural order -> the kernel order."""
+    *lead, n_pad = store.shape
+    idx = torch.tensor(V_PERM16, device=store.device)
+    return store.reshape(*lead, n_pad // 16, 16).index_select(-1, idx).reshape(store.shape)
+
+
+def unpermute_v(store: torch.Tensor, n: int) -> torch.Tensor:
+    """Kernel-order (B, H_kv, d, N_pad) storage -> the (B, N, H_kv, d) V it holds."""
+    *lead, n_pad = store.shape
+    inv = torch.argsort(torch.tensor(V_PERM16, device=store.device))
+    nat = store.reshape(*lead, n_pad // 16, 16).index_select(-1, inv).reshape(store.shape)
+    return nat[..., :n].permute(0, 3, 1, 2)
+
+
+def v_kernel_order(v8: torch.Tensor) -> torch.Tensor:
+    """v8 (B, N, H_kv, d) -> (B, H_kv, d, N_pad) storage in the kernel order (padding zeros)."""
+    b, n, hkv, d = v8.shape
+    n_pad = (n + 15) // 16 * 16
+    store = torch.zeros(b, hkv, d, n_pad, dtype=v8.dtype, device=v8.device)
+    store[..., :n] = v8.permute(0, 2, 3, 1)
+    return permute_v_storage(store)
+
+
 def _expand_descale(descale: torch.Tensor, num_heads: int) -> torch.Tensor:
     b, hkv = descale.shape
     return descale.repeat_interleave(num_heads // hkv, dim=1).reshape(b, num_heads, 1, 1)
@@ -125,15 +159,18 @@ def _expand_descale(descale: torch.Tensor, num_heads: int) -> torch.Tensor:
 def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_descale: torch.Tensor,
                       k_descale: torch.Tensor, v_descale: torch.Tensor, *,
                       softmax_scale: float | None = None, causal: bool = False,
-                      window_size: tuple[int, int] = (-1, -1), quantize_p: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      window_size: tuple[int, int] = (-1, -1), quantize_p: bool = True,
+                      v_perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32 (B, Nq, H, d), lse (B, H, Nq)) of attention on e4m3 inputs as the FP8 kernel
     computes it: S = (q8 k8^T) * q_descale * k_descale in fp32, softmax statistics in fp32, P =
     exp(S - rowmax) * ``P_SCALE`` cast to e4m3 (``quantize_p``), O = (P8 v8) * v_descale /
     (P_SCALE * rowsum) with the row sums of the unquantized P. (The kernel's P uses the running
-    max of its online softmax, not the final one; the difference is within e4m3 rounding.)"""
+    max of its online softmax, not the final one; the difference is within e4m3 rounding.)
+    ``v_perm``: v8 is kernel-order (B, H_kv, d, N_pad) storage (``quantize_qkv_ref(v_perm=True)``)."""
     b, nq, h, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
+    if v_perm:
+        v8 = unpermute_v(v8, nk)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qf = q8.float().permute(0, 2, 1, 3)
     kf = k8.float().permute(0, 2, 1, 3).repeat_interleave(h // hkv, dim=1)

@@ -41,6 +41,10 @@ class FwdSm90Fp8Config(FwdSm90Config):
     """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. Dense inputs, no softcap,
     one CTA per tile (packed GQA, varlen and the persistent grid are not wired for FP8 yet)."""
 
+    # V storage in the kernel's token order (``fp8_ref.V_PERM16``, as ``quant.quantize_qkv(...,
+    # v_perm=True)`` writes it): P needs no exchange between lanes. Off: natural token order.
+    v_perm: bool = False
+
     kernel_name = "fwd_sm90_fp8"
 
     def __post_init__(self) -> None:
@@ -80,7 +84,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
         q = jit.fake_tensor(f8, (b, nq, h, d), divisibility=16)
         k = jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16)
         # Token-contiguous V (N_pad a multiple of 16: the TMA's 16-byte strides).
-        v = jit.fake_tensor(f8, (b, nk, hkv, d), leading_dim=1, divisibility=16)
+        # (v_perm: N_pad tokens, the whole storage, so its own extent.)
+        v = jit.fake_tensor(f8, (b, jit.sym() if self.v_perm else nk, hkv, d), leading_dim=1, divisibility=16)
         o = jit.fake_tensor(out, (b, nq, h, d), divisibility=jit.vec_div(out))
         lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
         scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
@@ -94,23 +99,33 @@ assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256
 
 
 def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
-                causal: bool = False, window_size: tuple[int, int] = (-1, -1), **overrides) -> None:
-    """Launch the FP8 forward (developer entry point until GPU-checked): e4m3 ``q8`` / ``k8``
-    (B, N, H, d) and ``v8`` (B, N_k, H_kv, d) over token-contiguous storage, as
-    ``quant.quantize_qkv`` returns them; writes ``out`` (B, N, H, d) bf16 / fp16 and ``lse``
-    (B, H, N) fp32. ``overrides``: config fields (tile sizes, switches) for tuning."""
+                causal: bool = False, window_size: tuple[int, int] = (-1, -1), v_perm: bool = False,
+                **overrides) -> None:
+    """Launch the FP8 forward: e4m3 ``q8`` / ``k8`` (B, N, H, d) and ``v8`` as
+    ``quant.quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous storage, or with
+    ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order; writes ``out``
+    (B, N, H, d) bf16 / fp16 and ``lse`` (B, H, N) fp32. ``overrides``: config fields (tile sizes,
+    switches) for tuning."""
     import torch
 
     from cute_flash.fwd import normalize_window
 
     if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
         raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
-    if v8.stride(1) != 1:
+    if v_perm:
+        b, nk, hkv, d = k8.shape
+        if tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
+            raise ValueError("FP8 forward: v_perm expects the contiguous (B, H_kv, d, N_pad) storage "
+                             "quant.quantize_qkv(..., v_perm=True) returns")
+        # The kernel reads (B, N_pad, H_kv, d) over it: every stored position, since a token below
+        # N may sit past N in the kernel order (its P is zero where the token is past N).
+        v8 = v8.permute(0, 3, 1, 2)
+    elif v8.stride(1) != 1:
         raise ValueError("FP8 forward: v must be token-contiguous (as quant.quantize_qkv writes it)")
     causal, local, left, right = normalize_window(causal, window_size)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
-                           causal=causal, local=local, **overrides)
+                           causal=causal, local=local, v_perm=v_perm, **overrides)
     fn = jit.compile_kernel(cfg)
     # The tile-counter slot: a cached placeholder (no persistent grid for FP8 yet).
     (counter,) = cfg.launch_args(q8.device)

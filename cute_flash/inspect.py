@@ -134,16 +134,18 @@ def _sm90_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
 
 
 def _fp8_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """The FP8 path (issue 5; not yet GPU-checked): the quantize-and-rotate kernels for Q / K and
-    V (amax and quant phases), then the e4m3 attention kernel (bf16 O)."""
+    """The ``fp8=True`` path: the quantize-and-rotate kernels for Q / K and V (amax and quant
+    phases, V written in the attention kernel's token order), then the e4m3 attention kernel
+    (bf16 O)."""
     from dataclasses import replace
 
     from cute_flash.fwd_fp8 import FwdSm90Fp8Config
     from cute_flash.quant import quant_configs
 
-    quant = [replace(c, target=variant.arch) for c in quant_configs("bf16", variant.hdim, rotate=True)]
+    quant = [replace(c, target=variant.arch)
+             for c in quant_configs("bf16", variant.hdim, rotate=True, v_perm=True)]
     return [*quant, FwdSm90Fp8Config(target=variant.arch, dtype="bf16", hdim=variant.hdim, hdim_v=variant.dv,
-                                     causal=variant.causal, local=variant.local)]
+                                     causal=variant.causal, local=variant.local, v_perm=True)]
 
 
 def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:

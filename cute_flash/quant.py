@@ -26,6 +26,8 @@ class QuantizeConfig(jit.KernelConfig):
     transpose: bool = False
     phase: str = "quant"
     rows: int = 64
+    # With ``transpose``: tokens stored in the FP8 kernel's order (``fp8_ref.V_PERM16``).
+    v_perm: bool = False
 
     kernel_name = "quantize"
 
@@ -36,6 +38,8 @@ class QuantizeConfig(jit.KernelConfig):
             raise ValueError(f"quantize: phase must be amax or quant, got {self.phase!r}")
         if self.rotate and self.transpose:
             raise ValueError("quantize: V (the transposed output) is not rotated")
+        if self.v_perm and not (self.transpose and self.phase == "quant"):
+            raise ValueError("quantize: v_perm orders the transposed V output")
 
     def build(self):
         from cute_flash.hopper.quant import QuantizeSm90
@@ -57,9 +61,10 @@ class QuantizeConfig(jit.KernelConfig):
         return x, signs, amax, out, jit.fake_stream()
 
 
-def quant_configs(dtype: str, hdim: int, rotate: bool) -> list[QuantizeConfig]:
+def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False) -> list[QuantizeConfig]:
     """Every kernel ``quantize_qkv`` launches: amax and quant phases for Q / K and for V."""
-    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph)
+    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
+                           v_perm=v_perm and tr and ph == "quant")
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 
@@ -92,10 +97,11 @@ def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True,
-                 seed: int = 0) -> tuple[torch.Tensor, ...]:
+                 seed: int = 0, v_perm: bool = False) -> tuple[torch.Tensor, ...]:
     """(q8, k8, v8, q_descale, k_descale, v_descale), as ``fp8_ref.quantize_qkv_ref``: Q and K
     rotated by D H / sqrt(d) (``rotate``), e4m3 with per-(batch, kv head) scales, v8 of shape
-    (B, N, H_kv, d) over sequence-contiguous (B, H_kv, d, N_pad) storage (padding zeroed)."""
+    (B, N, H_kv, d) over sequence-contiguous (B, H_kv, d, N_pad) storage (padding zeroed), or
+    with ``v_perm`` that storage itself, tokens in the FP8 kernel's order."""
     _check(q, k, v)
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     b, _, _, d = q.shape
@@ -107,12 +113,13 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     f8 = torch.float8_e4m3fn
     q8, k8 = torch.empty_like(q, dtype=f8), torch.empty_like(k, dtype=f8)
     v_store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=q.device, dtype=f8)
-    qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in quant_configs(dtype, d, rotate))
+    cfgs = quant_configs(dtype, d, rotate, v_perm)
+    qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
         qk_amax(x, signs, amax[i], out)
     v_amax(v, signs, amax[2], v_store)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
         qk_quant(x, signs, amax[i], out)
     v_quant(v, signs, amax[2], v_store)
-    v8 = v_store[..., :nk].permute(0, 3, 1, 2)
+    v8 = v_store if v_perm else v_store[..., :nk].permute(0, 3, 1, 2)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)

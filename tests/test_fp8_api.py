@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from cute_flash import flash_attn_func, fp8_ops, quantize_qkv
+from cute_flash import flash_attn_func, quantize_qkv
 from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref, v_storage_strides
 
 
@@ -90,16 +90,6 @@ def test_torch_compile_traces_the_fp8_path() -> None:
     assert torch.allclose(compiled(q, k, v).float(), f(q, k, v).float())
 
 
-def test_cuda_kernels_stay_behind_the_opt_in_until_gpu_checked(monkeypatch) -> None:
-    monkeypatch.delenv(fp8_ops.FP8_ENV, raising=False)
-    if fp8_ops.FP8_GPU_CHECKED:
-        pytest.skip("FP8 kernels GPU-checked: no opt-in needed")
-    with pytest.raises(NotImplementedError, match=fp8_ops.FP8_ENV):
-        fp8_ops._require_gpu_checked()
-    monkeypatch.setenv(fp8_ops.FP8_ENV, "1")
-    fp8_ops._require_gpu_checked()
-
-
 def test_opcheck_fp8_ops() -> None:
     """Fake implementations (shapes, dtypes, strides: v8's padded token-contiguous view included)
     and autograd registration of the two FP8 ops. (opcheck's schema test compares outputs with
@@ -110,3 +100,18 @@ def test_opcheck_fp8_ops() -> None:
     q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v)
     torch.library.opcheck(torch.ops.cute_flash.fwd_fp8.default,
                           (q8, k8, v8, qd, kd, vd, 0.125, True, -1, 0, torch.bfloat16), test_utils=utils)
+    # V in the kernel's token order: (B, H_kv, d, N_pad) storage between the two ops.
+    quant = torch.ops.cute_flash.quantize_qkv.default
+    torch.library.opcheck(quant, (q, k, v, True, 3, True), test_utils=utils)
+    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, v_perm=True)
+    assert v8.shape == (k.shape[0], k.shape[2], k.shape[3], 64)
+    torch.library.opcheck(torch.ops.cute_flash.fwd_fp8.default,
+                          (q8, k8, v8, qd, kd, vd, 0.125, True, -1, 0, torch.bfloat16, True),
+                          test_utils=utils)
+
+
+def test_kernel_order_v_gives_the_same_attention_as_natural_v() -> None:
+    q, k, v = _inputs(nk=50)
+    natural = attention_fp8_ref(*quantize_qkv_ref(q, k, v), causal=True)[0]
+    permuted = attention_fp8_ref(*quantize_qkv_ref(q, k, v, v_perm=True), causal=True, v_perm=True)[0]
+    assert torch.equal(natural, permuted)

@@ -17,10 +17,14 @@ from cute_flash.fwd_fp8 import FwdSm90Fp8Config
 
 VARIANTS = [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "causal", local=m == "local")
             for d in (64, 128, 256) for m in ("plain", "causal", "local")]
+# V in the kernel's token order (the fp8=True path): no P exchange between lanes.
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, v_perm=True)
+             for d in (64, 128, 256) for c in (False, True)]
 
 
 def _id(c: FwdSm90Fp8Config) -> str:
-    return f"d{c.hdim}-" + ("causal" if c.causal else "local" if c.local else "plain")
+    mode = "causal" if c.causal else "local" if c.local else "plain"
+    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "")
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -31,6 +35,11 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
     for op in ("cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec", "cvt.rn.satfinite.e4m3x2.f32"):
         assert op in ptx, op
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # The quad exchange of P: 4 indexed shuffles per 32 keys (per copy of the loop body); with V
+    # in the kernel order, none (the few left broadcast scalars).
+    exchange = 4 * (cfg.tile_n // 32)
+    idx = len(re.findall(r"shfl\.sync\.idx", ptx))
+    assert idx < exchange if cfg.v_perm else idx >= exchange, idx
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,6 +112,41 @@ def test_quad_exchange_puts_each_p_byte_in_its_k32_a_slot(tile_n: int) -> None:
             assert got == [(r, k + 32 * kb) for r, k in want], (t, kb)
 
 
+@pytest.mark.parametrize("tile_n", [64, 96, 128, 192])
+def test_with_v_in_kernel_order_each_lane_already_holds_its_p_bytes(tile_n: int) -> None:
+    """``hopper.fwd_fp8.merge_own_p`` on byte labels: with V stored in ``fp8_ref.V_PERM16`` order,
+    the k32 A slot of every thread at position k of each 32 keys gets P of the key stored there,
+    from the thread's own accumulator registers (no lane exchange)."""
+    from cute_flash.fp8_ref import V_PERM16
+
+    c_shape, c_stride = ((4, 8, 4), (2, 2, tile_n // 8)), ((128, 1, 16), (64, 8, 512))
+    a_shape, a_stride = ((4, 8, 4), (4, 2, 2)), ((256, 1, 16), (64, 8, 1024))
+    for t in range(128):
+        c = _tv_coords(c_shape, c_stride, 64, t, 4 * (tile_n // 8))
+        words = [c[4 * w:4 * w + 4] for w in range(tile_n // 8)]
+        want = _tv_coords(a_shape, a_stride, 64, t, 16)
+        for kb in range(tile_n // 32):
+            merged = []
+            for h in range(2):
+                w0, w1 = words[4 * kb + 2 * h], words[4 * kb + 2 * h + 1]
+                merged += [[w0[0], w0[1], w1[0], w1[1]], [w0[2], w0[3], w1[2], w1[3]]]
+            got = [b for w in merged for b in w]
+            stored = [(r, 32 * kb + 16 * (k // 16) + V_PERM16[k % 16]) for r, k in want]
+            assert got == stored, (t, kb)
+
+
+def test_kernel_order_v_round_trips_and_pads_with_zeros() -> None:
+    import torch
+
+    from cute_flash.fp8_ref import unpermute_v, v_kernel_order
+
+    v = torch.randn(2, 37, 3, 64).to(torch.float8_e4m3fn)
+    store = v_kernel_order(v)
+    assert store.shape == (2, 3, 64, 48)
+    assert torch.equal(unpermute_v(store, 37).float(), v.float())
+    assert (store.float().abs().sum(dim=(0, 1, 2)) > 0).sum() == 37  # 11 zero padding positions
+
+
 def _hopper() -> bool:
     import torch
 
@@ -111,11 +155,13 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("v_perm", [False, True], ids=["v-natural", "v-kernel-order"])
 @pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
 def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool,
-                                                                        hkv: int) -> None:
+                                                                        hkv: int, v_perm: bool) -> None:
     """Kernel vs ``fp8_ref.attention_fp8_ref`` on the same e4m3 inputs: the only differences are
-    the online softmax's running max for P's e4m3 rounding and fp32 summation order."""
+    the online softmax's running max for P's e4m3 rounding and fp32 summation order. 517 keys:
+    the kernel-order V has tokens below N stored past N (the last, partial 16)."""
     import math
 
     import torch
@@ -127,13 +173,14 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     b, nq, nk, h = 2, 300, 517, 4
     q = torch.randn(b, nq, h, d, device="cuda")
     k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
-    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3)
+    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3, v_perm=v_perm)
     out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
-    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal)
+    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=v_perm)
     torch.cuda.synchronize()
-    ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal)
+    ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
+                                     v_perm=v_perm)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
@@ -153,14 +200,14 @@ def test_inspect_shows_the_fp8_path_for_sm90a() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-def test_fp8_true_through_the_public_api_matches_the_cpu_path(monkeypatch) -> None:
-    """``flash_attn_func(..., fp8=True)`` on the GPU (kernels, opted in) against the same call on
-    the CPU (reference ops): same quantization, so within e4m3 P rounding of each other."""
+def test_fp8_true_through_the_public_api_matches_the_cpu_path() -> None:
+    """``flash_attn_func(..., fp8=True)`` on the GPU (kernels, V in the kernel's token order)
+    against the same call on the CPU (reference ops): same quantization, so within e4m3 P
+    rounding of each other."""
     import torch
 
-    from cute_flash import flash_attn_func, fp8_ops
+    from cute_flash import flash_attn_func
 
-    monkeypatch.setenv(fp8_ops.FP8_ENV, "1")
     torch.manual_seed(4)
     q = torch.randn(2, 333, 8, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 400, 2, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -172,7 +219,7 @@ def test_fp8_true_through_the_public_api_matches_the_cpu_path(monkeypatch) -> No
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("d", [128, 256])
-def test_fp8_kernels_reproduce_the_fa3_outlier_accuracy_experiment(d: int, monkeypatch) -> None:
+def test_fp8_kernels_reproduce_the_fa3_outlier_accuracy_experiment(d: int) -> None:
     """The FA3 paper's experiment with our kernels (quantize + FP8 attention) at N = 4k: RMSE vs
     fp64 with rotation <= 9.1e-3 (the paper's), and rotation lowering it by >= 2.5x at d = 256 and
     >= 2x at d = 128 (what per-(batch, head) scales reach there; docs/notes.md)."""
@@ -181,7 +228,6 @@ def test_fp8_kernels_reproduce_the_fa3_outlier_accuracy_experiment(d: int, monke
     from cute_flash.fp8_ref import outlier_qkv
     from cute_flash.reference import attention_ref
 
-    monkeypatch.setenv(fp8_ops.FP8_ENV, "1")
     q, k, v = outlier_qkv(1, 4096, 2, d, seed=1, device="cuda")
     ref, _ = attention_ref(q.double(), k.double(), v.double())
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))

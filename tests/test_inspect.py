@@ -227,7 +227,9 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # the variant, else the sm80 code built for sm_90a -- as the launcher's auto mode picks.
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64))
     assert [type(c).__name__ for c in bwd] == ["BwdPreConfig", "BwdSm90Config", "BwdSm90PostConfig"]
-    for kw in (dict(hdim=192, hdim_v=128), dict(hdim=64, softcap=True), dict(hdim=128, hdim_v=64)):
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=192, hdim_v=128))  # GPU-checked
+    assert [type(c).__name__ for c in bwd] == ["BwdPreConfig", "BwdSm90Config", "BwdSm90PostConfig"]
+    for kw in (dict(hdim=64, softcap=True), dict(hdim=128, hdim_v=64)):
         bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", **kw))
         assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd), kw
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64, family="sm80"))

@@ -18,11 +18,14 @@ def _count(ptx: str, pattern: str) -> int:
 
 VARIANTS = [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=True)]
 VARIANTS += quant_configs("fp16", 128, rotate=False)
+VARIANTS += [c for d in (64, 128, 256)
+             for c in quant_configs("bf16", d, rotate=True, v_perm=True) if c.v_perm]
 VARIANTS = [QuantizeConfig(**{**c.__dict__, "target": "sm_90a"}) for c in VARIANTS]
 
 
 def _id(c: QuantizeConfig) -> str:
-    return f"{c.dtype}-d{c.hdim}-{c.phase}-" + ("v" if c.transpose else "qk-rot" if c.rotate else "qk")
+    v = "v-kernel-order" if c.v_perm else "v"
+    return f"{c.dtype}-d{c.hdim}-{c.phase}-" + (v if c.transpose else "qk-rot" if c.rotate else "qk")
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -50,6 +53,8 @@ def test_quantize_config_rejects_what_the_kernel_cannot_do() -> None:
         QuantizeConfig(target="sm_90a", rotate=True, transpose=True)
     with pytest.raises(ValueError):
         QuantizeConfig(target="sm_90a", phase="both")
+    with pytest.raises(ValueError):
+        QuantizeConfig(target="sm_90a", rotate=True, v_perm=True)
 
 
 def _hopper() -> bool:
@@ -60,8 +65,10 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
+@pytest.mark.parametrize("v_perm", [False, True], ids=["v-natural", "v-kernel-order"])
 @pytest.mark.parametrize("d,hkv,n", [(64, 2, 100), (128, 1, 1000), (256, 4, 77)])
-def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: int, n: int) -> None:
+def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: int, n: int,
+                                                                 v_perm: bool) -> None:
     import torch
 
     from cute_flash.fp8_ref import outlier_qkv, quantize_qkv_ref
@@ -69,8 +76,8 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
 
     q, _, _ = outlier_qkv(2, n + 3, 4, d, seed=5, device="cuda", dtype=torch.bfloat16)
     _, k, v = outlier_qkv(2, n, hkv, d, seed=6, device="cuda", dtype=torch.bfloat16)
-    got = quantize_qkv(q, k, v, rotate=True, seed=7)
-    ref = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=7)
+    got = quantize_qkv(q, k, v, rotate=True, seed=7, v_perm=v_perm)
+    ref = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=7, v_perm=v_perm)
     for name, g, r in zip(("q_descale", "k_descale", "v_descale"), got[3:], ref[3:], strict=True):
         assert torch.allclose(g, r, rtol=1e-5), name
     for name, g, r in zip("qkv", got[:3], ref[:3], strict=True):
@@ -80,7 +87,8 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
         gf, rf = g.float(), r.float()
         assert ((gf - rf).abs() <= rf.abs() * 2.0**-3 + 2.0**-9).all(), name
         assert (gf == rf).float().mean() > 0.95, name
-    assert got[2].stride(1) == 1  # V: sequence-contiguous
+    # V: sequence-contiguous; in the kernel order, the whole (B, H_kv, d, N_pad) storage.
+    assert got[2].stride(-1 if v_perm else 1) == 1
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

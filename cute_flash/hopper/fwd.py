@@ -110,6 +110,8 @@ class FlashFwdSm90:
         # epilogue; otherwise O is staged in Q's buffer.
         self.separate_o = cfg.separate_o
         self.dynamic_tiles = cfg.dynamic_tiles
+        # log2 of the factor P is computed with (``OnlineSoftmax.p_log2_offset``; FP8 sets it).
+        self.p_log2_offset = 0.0
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -470,7 +472,8 @@ class FlashFwdSm90:
             wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
-                                seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu)
+                                seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
+                                p_log2_offset=self.p_log2_offset)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)

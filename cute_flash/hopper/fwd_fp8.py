@@ -12,14 +12,15 @@ What differs from 16 bit, and why:
   swaps 16-bit pairs with the other three lanes of its quad (``quad_exchange_p``, 4 shuffles
   and 4 byte merges per 32 keys and row pair).
 * The per-(batch, kv head) descales fold into the scores' exp2 scale (q_descale * k_descale) and
-  into O's final 1 / row-sum factor (v_descale, and 1 / ``fp8_ref.P_SCALE``: P is scaled up
-  before its e4m3 cast to keep small probabilities out of the subnormals); LSE comes out in the
-  descaled units.
-
-Compiled and PTX-checked on the CPU; not yet run on a GPU (see docs/notes.md).
+  into O's final 1 / row-sum factor (v_descale); LSE comes out in the descaled units.
+* P is computed as ``fp8_ref.P_SCALE`` * p by the exp2 itself (an offset on its argument), which
+  keeps small probabilities out of e4m3's subnormals; the row sums carry the same factor, so the
+  normalisation cancels it.
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -62,6 +63,19 @@ def quad_exchange_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> Non
             words[4 * kb + i] = out[i]
 
 
+@cute.jit
+def merge_own_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
+    """In place, for V in the kernel order (``fp8_ref.V_PERM16``): A-fragment word 4 kb + 2 h + i
+    = the row r + 8 i halves of accumulator words 4 kb + 2 h and 4 kb + 2 h + 1 -- the lane's own
+    key pairs 2q, 2q + 1 and 2q + 8, 2q + 9, which that V order puts at positions 4q .. 4q + 3."""
+    words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(4 * num_kblocks))
+    for kb in cutlass.range_constexpr(num_kblocks):
+        for h in cutlass.range_constexpr(2):
+            w0, w1 = words[4 * kb + 2 * h], words[4 * kb + 2 * h + 1]
+            words[4 * kb + 2 * h] = (w0 & 0xFFFF) | (w1 << 16)
+            words[4 * kb + 2 * h + 1] = ((w0 >> 16) & 0xFFFF) | (w1 & -65536)
+
+
 class FlashFwdSm90Fp8(FlashFwdSm90):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -70,6 +84,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.tx_Q = self.tile_m * self.hdim
         self.tx_K = self.tile_n * self.hdim
         self.tx_V = self.tile_n * self.hdim_v
+        self.p_log2_offset = math.log2(P_SCALE)
 
     def _setup(self) -> None:
         self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
@@ -112,10 +127,13 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
-        # cvt.rn.satfinite.e4m3x2 of P * P_SCALE: small probabilities stay out of e4m3's
-        # subnormals (fp8_ref.P_SCALE); O is divided by it in ``output_scale``.
-        rP.store((acc_S.load() * Float32(P_SCALE)).to(self.dtype))
-        quad_exchange_p(rP, self.tile_n // 32)
+        # P arrives as P_SCALE * p (``p_log2_offset``): small probabilities stay out of e4m3's
+        # subnormals (fp8_ref.P_SCALE) without a multiply per score.
+        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(self.cfg.v_perm):
+            merge_own_p(rP, self.tile_n // 32)
+        else:
+            quad_exchange_p(rP, self.tile_n // 32)
 
     def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
         """The exchanged registers as ((4 keys, 2 rows, 2 key halves), M, k32 blocks)."""
@@ -128,7 +146,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         ctx.v_descale = mVd[batch, head_kv]
 
     def output_scale(self, ctx, row_scale):
-        factor = ctx.v_descale * Float32(1.0 / P_SCALE)
         for r in range(cute.size(row_scale)):
-            row_scale[r] = row_scale[r] * factor
+            row_scale[r] = row_scale[r] * ctx.v_descale
         return row_scale

@@ -24,7 +24,7 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from cute_flash.ampere import common
-from cute_flash.fp8_ref import E4M3_MAX
+from cute_flash.fp8_ref import E4M3_MAX, V_PERM16
 
 NUM_WARPS = 4
 
@@ -37,6 +37,7 @@ class QuantizeSm90:
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim, self.rows = cfg.hdim, cfg.rows
         self.rotate, self.transpose, self.phase = cfg.rotate, cfg.transpose, cfg.phase
+        self.v_perm = cfg.v_perm
         self.per_lane = self.hdim // 32
         assert self.rows % (NUM_WARPS * 16) == 0
 
@@ -198,5 +199,7 @@ class QuantizeSm90:
             if n0 < n_pad:
                 vals = cute.make_rmem_tensor(16, cutlass.Float8E4M3FN)
                 for j in cutlass.range_constexpr(16):
-                    vals[j] = sT[chunk * 16 + j, col]
+                    # Kernel order (``v_perm``): position j of each 16 holds token V_PERM16[j].
+                    src = V_PERM16[j] if cutlass.const_expr(self.v_perm) else j
+                    vals[j] = sT[chunk * 16 + src, col]
                 cute.autovec_copy(vals, cute.local_tile(mOut[None, col, head, batch], (16,), (n0 // 16,)))

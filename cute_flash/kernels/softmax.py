@@ -85,8 +85,12 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False,
-                 exp2_emu: int = 0):
+                 exp2_emu: int = 0, p_log2_offset: float = 0.0):
         self.scale_log2 = scale_log2
+        # P comes out as 2^offset * p: the row sums carry the same factor, so O's normalisation
+        # cancels it and only the LSE subtracts it (FP8: P lands in e4m3's normal range at no
+        # cost, where a multiply per score would be one more FMUL on the softmax's issue budget).
+        self.p_log2_offset = p_log2_offset
         self.max_chains = max_chains
         self.seed_sum = seed_sum
         # 1 in ``exp2_emu`` exponentials by ``exp2_poly`` (0: all on the MUFU).
@@ -119,6 +123,9 @@ class OnlineSoftmax:
             self.row_max[r] = m_new
             # A row with every key masked so far has m = -inf: use 0 so exp2 gives 0, not NaN.
             m_scaled = (m_new if m_new != -Float32.inf else Float32(0.0)) * self.scale_log2
+            m_p = m_scaled
+            if cutlass.const_expr(self.p_log2_offset != 0.0):
+                m_p = m_scaled - Float32(self.p_log2_offset)
             if cutlass.const_expr(self.seed_sum and not is_first):
                 # The rescale factor first, and the sum chain seeded with row_sum * scale: the
                 # scale's exp2 then heads the longest dependency chain, so ptxas issues it early
@@ -126,10 +133,10 @@ class OnlineSoftmax:
                 # (otherwise it lands as one serial block before the next GEMM).
                 scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
                 row_scale[r] = scale
-                p = self._exp2_row(acc_mn, r, row, m_scaled)
+                p = self._exp2_row(acc_mn, r, row, m_p)
                 self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, self.row_sum[r] * scale, 0)
             else:
-                p = self._exp2_row(acc_mn, r, row, m_scaled)
+                p = self._exp2_row(acc_mn, r, row, m_p)
                 psum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 if cutlass.const_expr(is_first):
                     row_scale[r] = Float32(1.0)
@@ -165,7 +172,10 @@ class OnlineSoftmax:
             s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             empty = s == Float32(0.0) or s != s
             row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(s)
-            lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            log2_sum = cute.math.log2(s, fastmath=True)
+            if cutlass.const_expr(self.p_log2_offset != 0.0):
+                log2_sum = log2_sum - Float32(self.p_log2_offset)
+            lse = (self.row_max[r] * self.scale_log2 + log2_sum) * LN_2
             self.row_sum[r] = -Float32.inf if empty else lse
         return row_scale
 
