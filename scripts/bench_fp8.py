@@ -48,8 +48,8 @@ def accuracy(d: int) -> None:
             window_size=(-1, -1), softcap=0.0)
     row["bf16"] = (out.double() - ref).pow(2).mean().sqrt().item()
     for name, rot in (("fp8", False), ("fp8_rot", True)):
-        t = quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16(), rotate=rot, seed=0)
-        run_fwd_fp8(*t, out, lse, softmax_scale=scale)
+        t = quantize_qkv(q.bfloat16(), k.bfloat16(), v.bfloat16(), rotate=rot, seed=0, v_perm=True)
+        run_fwd_fp8(*t, out, lse, softmax_scale=scale, v_perm=True)
         row[name] = (out.double() - ref).pow(2).mean().sqrt().item()
         o_ref, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=0), softmax_scale=scale)
         row[name + "_ref"] = (o_ref.double() - ref).pow(2).mean().sqrt().item()
@@ -74,12 +74,15 @@ def attn_speed(d: int, n: int, causal: bool) -> None:
     out = torch.empty_like(q)
     lse = torch.empty(b, h, n, device="cuda")
     t8 = quantize_qkv(q, k, v, rotate=True)
+    t8p = quantize_qkv(q, k, v, rotate=True, v_perm=True)
+    # fp8: V in the kernel's token order (the fp8=True path); fp8-vnat: natural V (caller's e4m3).
     fns = {
         "bf16": lambda: run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1),
                                 softcap=0.0),
-        "fp8": lambda: run_fwd_fp8(*t8, out, lse, softmax_scale=scale, causal=causal),
-        "quant+fp8": lambda: run_fwd_fp8(*quantize_qkv(q, k, v, rotate=True), out, lse, softmax_scale=scale,
-                                         causal=causal),
+        "fp8": lambda: run_fwd_fp8(*t8p, out, lse, softmax_scale=scale, causal=causal, v_perm=True),
+        "fp8-vnat": lambda: run_fwd_fp8(*t8, out, lse, softmax_scale=scale, causal=causal),
+        "quant+fp8": lambda: run_fwd_fp8(*quantize_qkv(q, k, v, rotate=True, v_perm=True), out, lse,
+                                         softmax_scale=scale, causal=causal, v_perm=True),
     }
     try:
         from flash_attn.cute import flash_attn_func

@@ -21,7 +21,7 @@ from cute_flash.fwd import run_fwd
 from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 
-BOOL_FIELDS = ("pingpong", "intra_wg_overlap", "rescale_o_early", "seed_row_sum", "spin_waits")
+BOOL_FIELDS = ("pingpong", "intra_wg_overlap", "rescale_o_early", "seed_row_sum", "spin_waits", "v_perm")
 
 
 def parse(var: str) -> dict:
@@ -52,6 +52,7 @@ def measure(d: int, n: int, causal: bool, variants: list[str], rounds: int) -> N
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     t8 = quantize_qkv(q, k, v, rotate=True)
+    t8p = quantize_qkv(q, k, v, rotate=True, v_perm=True)  # for candidates with v_perm=1
     scale = 1.0 / math.sqrt(d)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
     ref = reference(t8, causal)
@@ -65,7 +66,8 @@ def measure(d: int, n: int, causal: bool, variants: list[str], rounds: int) -> N
         kw = parse(var)
 
         def fn(kw=kw):
-            run_fwd_fp8(*t8, out, lse, softmax_scale=scale, causal=causal, **kw)
+            inputs = t8p if kw.get("v_perm") else t8
+            run_fwd_fp8(*inputs, out, lse, softmax_scale=scale, causal=causal, **kw)
 
         try:
             out.fill_(float("nan"))
