@@ -27,6 +27,12 @@ SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     128: (128, 192, 2, 2, True, True),
     256: (128, 128, 2, 2, False, True),
 }
+# 1 in this many of the softmax exponentials on the FMA pipe (``FwdSm90Config.exp2_emu``). At d = 128
+# FP8 the MUFU's 16 exp2 per clock take as long as the QGMMAs of a block: with V in the kernel order,
+# 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k); at d = 256 (twice
+# the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%. Output checked in those runs
+# (scripts/tune_fp8.py), but not yet through the GPU test suite: {128: 8} once it has.
+SM90_FP8_EXP2_EMU: dict[int, int] = {}
 # Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
 # tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
 SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
@@ -58,6 +64,9 @@ class FwdSm90Fp8Config(FwdSm90Config):
                             ("num_mma_wg", wgs)):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
+        if self.exp2_emu is None:
+            emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
+            object.__setattr__(self, "exp2_emu", emu)
         for name, value in (("pingpong", pingpong), ("intra_wg_overlap", overlap)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

@@ -103,8 +103,9 @@ class FwdSm90Config(jit.KernelConfig):
     # then interleaves with the exponentials instead of trailing them. Off until measured.
     seed_row_sum: bool | None = None
     # 1 in ``exp2_emu`` of the softmax exponentials computed by a polynomial on the FMA pipe
-    # (``kernels/softmax.exp2_poly``) instead of the MUFU; 0: none.
-    exp2_emu: int = 0
+    # (``kernels/softmax.exp2_poly``) instead of the MUFU; 0: none (None: the variant's default,
+    # none for 16-bit inputs, where the tensor cores and not the MUFU bound the loop).
+    exp2_emu: int | None = None
     # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
     # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py;
     # default everywhere but the masked 3-warpgroup d=64 tile, where spinning measured slower).
@@ -143,6 +144,8 @@ class FwdSm90Config(jit.KernelConfig):
         if self.seed_row_sum is None:
             # Measured at d=128 (+1% non-causal, +3% causal at N=8k); neutral or worse at 64 / 256.
             object.__setattr__(self, "seed_row_sum", self.hdim == self.hdim_v == 128)
+        if self.exp2_emu is None:
+            object.__setattr__(self, "exp2_emu", 0)
         if self.num_mma_wg not in (2, 3):
             raise ValueError("sm90 forward: 2 or 3 consumer warpgroups")
         if self.tile_m != 64 * self.num_mma_wg:
