@@ -46,8 +46,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
     omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
-    (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales). On a GPU the
-    FP8 kernels are not yet validated and run only with ``CUTE_FLASH_FP8=1``.
+    (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales) and returns
+    their dtype. Hopper kernels on sm90 tensors, the reference (``fp8_ref``) on CPU tensors.
     """
     if fp8 or q.dtype == fp8_ops.FP8:
         if softcap != 0.0:

@@ -1,7 +1,7 @@
 """The FP8 forward through the public API (issue 5), on the CPU (the ops' reference
 implementations): e4m3 inputs with descales and ``fp8=True`` give the reference's results, bad
-input is refused before anything runs, ``torch.compile(fullgraph=True)`` traces the path, and
-the unvalidated CUDA kernels stay behind ``CUTE_FLASH_FP8=1``."""
+input is refused before anything runs, ``torch.compile(fullgraph=True)`` traces the path, and V
+in the kernel's token order gives the same attention."""
 
 from __future__ import annotations
 
