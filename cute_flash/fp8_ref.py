@@ -114,9 +114,9 @@ def token_contiguous(v8: torch.Tensor) -> torch.Tensor:
     if v8.stride() == v_storage_strides(b, n, hkv, d):
         return v8
     n_pad = (n + 15) // 16 * 16
-    store = torch.zeros(b, hkv, d, n_pad, dtype=v8.dtype, device=v8.device)
-    store[..., :n] = v8.permute(0, 2, 3, 1)
-    return store[..., :n].permute(0, 3, 1, 2)
+    store = torch.zeros(b, hkv, d, n_pad, dtype=torch.uint8, device=v8.device)
+    store[..., :n] = _bytes(v8).permute(0, 2, 3, 1)
+    return store.view(v8.dtype)[..., :n].permute(0, 3, 1, 2)
 
 
 # The FP8 kernel's own V order (``v_perm``): within every 16 tokens, storage position p holds token
@@ -127,28 +127,35 @@ def token_contiguous(v8: torch.Tensor) -> torch.Tensor:
 V_PERM16 = tuple((p & 1) | ((p >> 2) & 1) << 1 | ((p >> 3) & 1) << 2 | ((p >> 1) & 1) << 3 for p in range(16))
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # Data movement on e4m3 tensors as bytes: gathers and fills are not implemented for float8
+    # on every device, for uint8 they are.
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _gather16(store: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    *lead, n_pad = store.shape
+    raw = _bytes(store).reshape(*lead, n_pad // 16, 16).index_select(-1, order.to(store.device))
+    return raw.reshape(store.shape).view(store.dtype)
+
+
 def permute_v_storage(store: torch.Tensor) -> torch.Tensor:
     """(B, H_kv, d, N_pad) token-contiguous V storage in natural order -> the kernel order."""
-    *lead, n_pad = store.shape
-    idx = torch.tensor(V_PERM16, device=store.device)
-    return store.reshape(*lead, n_pad // 16, 16).index_select(-1, idx).reshape(store.shape)
+    return _gather16(store, torch.tensor(V_PERM16))
 
 
 def unpermute_v(store: torch.Tensor, n: int) -> torch.Tensor:
     """Kernel-order (B, H_kv, d, N_pad) storage -> the (B, N, H_kv, d) V it holds."""
-    *lead, n_pad = store.shape
-    inv = torch.argsort(torch.tensor(V_PERM16, device=store.device))
-    nat = store.reshape(*lead, n_pad // 16, 16).index_select(-1, inv).reshape(store.shape)
-    return nat[..., :n].permute(0, 3, 1, 2)
+    return _gather16(store, torch.argsort(torch.tensor(V_PERM16)))[..., :n].permute(0, 3, 1, 2)
 
 
 def v_kernel_order(v8: torch.Tensor) -> torch.Tensor:
     """v8 (B, N, H_kv, d) -> (B, H_kv, d, N_pad) storage in the kernel order (padding zeros)."""
     b, n, hkv, d = v8.shape
     n_pad = (n + 15) // 16 * 16
-    store = torch.zeros(b, hkv, d, n_pad, dtype=v8.dtype, device=v8.device)
-    store[..., :n] = v8.permute(0, 2, 3, 1)
-    return permute_v_storage(store)
+    store = torch.zeros(b, hkv, d, n_pad, dtype=torch.uint8, device=v8.device)
+    store[..., :n] = _bytes(v8).permute(0, 2, 3, 1)
+    return permute_v_storage(store.view(v8.dtype))
 
 
 def _expand_descale(descale: torch.Tensor, num_heads: int) -> torch.Tensor:
