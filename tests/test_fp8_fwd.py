@@ -20,6 +20,10 @@ VARIANTS = [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "cau
 # V in the kernel's token order (the fp8=True path): no P exchange between lanes.
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, v_perm=True)
              for d in (64, 128, 256) for c in (False, True)]
+# The persistent grid (overrides only until a GPU run): causal with atomic tile claims, static.
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=True, v_perm=True, num_ctas=132,
+                              dynamic_tiles=True),
+             FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256, v_perm=True, num_ctas=132)]
 # 1 in 8 exponentials by the FMA-pipe polynomial (measured +3% at d = 128; not yet the default).
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v_perm=True, exp2_emu=8)
              for c in (False, True)]
@@ -28,7 +32,8 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v
 def _id(c: FwdSm90Fp8Config) -> str:
     mode = "causal" if c.causal else "local" if c.local else "plain"
     emu = f"-emu{c.exp2_emu}" if c.exp2_emu else ""
-    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu
+    grid = f"-persistent{'-dynamic' if c.dynamic_tiles else ''}" if c.num_ctas else ""
+    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -75,7 +80,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True), dict(pack_gqa=2),
-               dict(tile_n=80)):
+               dict(tile_n=80)):  # (the persistent grid compiles: override-only, above)
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
@@ -172,10 +177,11 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("v_perm", [False, True], ids=["v-natural", "v-kernel-order"])
+@pytest.mark.parametrize("v_perm,emu", [(False, 0), (True, 0), (True, 8)],
+                         ids=["v-natural", "v-kernel-order", "v-kernel-order-exp2-emu8"])
 @pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
-def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool,
-                                                                        hkv: int, v_perm: bool) -> None:
+def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool, hkv: int,
+                                                                        v_perm: bool, emu: int) -> None:
     """Kernel vs ``fp8_ref.attention_fp8_ref`` on the same e4m3 inputs: the only differences are
     the online softmax's running max for P's e4m3 rounding and fp32 summation order. 517 keys:
     the kernel-order V has tokens below N stored past N (the last, partial 16)."""
@@ -194,7 +200,8 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
-    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=v_perm)
+    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=v_perm,
+                exp2_emu=emu)
     torch.cuda.synchronize()
     ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
                                      v_perm=v_perm)
@@ -231,6 +238,37 @@ def test_fp8_true_through_the_public_api_matches_the_cpu_path() -> None:
     cpu = flash_attn_func(q, k, v, causal=True, fp8=True)
     gpu = flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True, fp8=True).cpu()
     assert (gpu.float() - cpu.float()).abs().max() < 0.05 * cpu.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d,causal", [(128, True), (128, False), (256, True)])
+def test_fp8_persistent_grid_matches_the_reference(d: int, causal: bool) -> None:
+    """One CTA per SM looping over tiles (atomic claims for causal): each tile loads its own
+    (batch, kv head) descales; more tiles than CTAs, partial last tiles."""
+    import math
+
+    import torch
+
+    from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+    from cute_flash.fwd_sm90 import sm_count
+
+    torch.manual_seed(8)
+    b, nq, nk, h, hkv = 3, 700, 900, 8, 2
+    q = torch.randn(b, nq, h, d, device="cuda")
+    k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
+    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3, v_perm=True)
+    out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=True,
+                num_ctas=sm_count(q.device), dynamic_tiles=causal)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
+                                     v_perm=True)
+    assert (out.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.gpu
