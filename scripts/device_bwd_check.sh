@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the sm90 backward (developer tool): GPU tests in 8 shards, the backward
-# switches against the default, then the standard backward grid beside the peers. Logs under $OUT
+# One device call (developer tool): the FP8 tests alone, the other GPU tests in 8 shards, the
+# standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [fp8tune] [fp8]   (default: fp8tests tests bench)
 # (The backward switches of session 4 were measured in session 5 and settled: docs/notes.md.)
