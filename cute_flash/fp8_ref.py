@@ -133,20 +133,29 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _gather16(store: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+_ORDER16: dict[tuple, torch.Tensor] = {}
+
+
+def _gather16(store: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Each 16 tokens of ``store`` (last dim) gathered by V_PERM16 (or its inverse); the index
+    tensor is made once per device, not copied to it on every call."""
+    key = (store.device, inverse)
+    if key not in _ORDER16:
+        order = torch.tensor(V_PERM16)
+        _ORDER16[key] = (torch.argsort(order) if inverse else order).to(store.device)
     *lead, n_pad = store.shape
-    raw = _bytes(store).reshape(*lead, n_pad // 16, 16).index_select(-1, order.to(store.device))
+    raw = _bytes(store).reshape(*lead, n_pad // 16, 16).index_select(-1, _ORDER16[key])
     return raw.reshape(store.shape).view(store.dtype)
 
 
 def permute_v_storage(store: torch.Tensor) -> torch.Tensor:
     """(B, H_kv, d, N_pad) token-contiguous V storage in natural order -> the kernel order."""
-    return _gather16(store, torch.tensor(V_PERM16))
+    return _gather16(store, inverse=False)
 
 
 def unpermute_v(store: torch.Tensor, n: int) -> torch.Tensor:
     """Kernel-order (B, H_kv, d, N_pad) storage -> the (B, N, H_kv, d) V it holds."""
-    return _gather16(store, torch.argsort(torch.tensor(V_PERM16)))[..., :n].permute(0, 3, 1, 2)
+    return _gather16(store, inverse=True)[..., :n].permute(0, 3, 1, 2)
 
 
 def v_kernel_order(v8: torch.Tensor) -> torch.Tensor:

@@ -175,16 +175,11 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("v_perm,emu", [(False, 0), (True, 0), (True, 8)],
-                         ids=["v-natural", "v-kernel-order", "v-kernel-order-exp2-emu8"])
-@pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
-def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool, hkv: int,
-                                                                        v_perm: bool, emu: int) -> None:
-    """Kernel vs ``fp8_ref.attention_fp8_ref`` on the same e4m3 inputs: the only differences are
-    the online softmax's running max for P's e4m3 rounding and fp32 summation order. 517 keys:
-    the kernel-order V has tokens below N stored past N (the last, partial 16)."""
+def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int, hkv: int, seed: int,
+                         v_perm: bool, **overrides) -> None:
+    """The FP8 kernel against ``fp8_ref.attention_fp8_ref`` on the same e4m3 inputs (NaN-poisoned
+    outputs): the only differences are the online softmax's running max for P's e4m3 rounding
+    and fp32 summation order."""
     import math
 
     import torch
@@ -192,8 +187,7 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
-    torch.manual_seed(2)
-    b, nq, nk, h = 2, 300, 517, 4
+    torch.manual_seed(seed)
     q = torch.randn(b, nq, h, d, device="cuda")
     k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
     q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3, v_perm=v_perm)
@@ -201,13 +195,25 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
     run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=v_perm,
-                exp2_emu=emu)
+                **overrides)
     torch.cuda.synchronize()
     ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
                                      v_perm=v_perm)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("v_perm,emu", [(False, 0), (True, 0), (True, 8)],
+                         ids=["v-natural", "v-kernel-order", "v-kernel-order-exp2-emu8"])
+@pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
+def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool, hkv: int,
+                                                                        v_perm: bool, emu: int) -> None:
+    """Kernel vs reference (``_kernel_vs_reference``). 517 keys: the kernel-order V has tokens
+    below N stored past N (the last, partial 16)."""
+    _kernel_vs_reference(d, causal, 2, 300, 517, 4, hkv, seed=2, v_perm=v_perm, exp2_emu=emu)
 
 
 def test_inspect_shows_the_fp8_path_for_sm90a() -> None:
@@ -246,30 +252,12 @@ def test_fp8_true_through_the_public_api_matches_the_cpu_path() -> None:
 def test_fp8_persistent_grid_matches_the_reference(d: int, causal: bool) -> None:
     """One CTA per SM looping over tiles (atomic claims for causal): each tile loads its own
     (batch, kv head) descales; more tiles than CTAs, partial last tiles."""
-    import math
-
     import torch
 
-    from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref
-    from cute_flash.fwd_fp8 import run_fwd_fp8
     from cute_flash.fwd_sm90 import sm_count
 
-    torch.manual_seed(8)
-    b, nq, nk, h, hkv = 3, 700, 900, 8, 2
-    q = torch.randn(b, nq, h, d, device="cuda")
-    k, v = torch.randn(b, nk, hkv, d, device="cuda"), torch.randn(b, nk, hkv, d, device="cuda")
-    q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=3, v_perm=True)
-    out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lse = torch.full((b, h, nq), float("nan"), device="cuda")
-    scale = 1.0 / math.sqrt(d)
-    run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=True,
-                num_ctas=sm_count(q.device), dynamic_tiles=causal)
-    torch.cuda.synchronize()
-    ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
-                                     v_perm=True)
-    assert (out.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
-    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
-
+    _kernel_vs_reference(d, causal, 3, 700, 900, 8, 2, seed=8, v_perm=True,
+                         num_ctas=sm_count(torch.device("cuda")), dynamic_tiles=causal)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
