@@ -29,10 +29,15 @@ SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
 }
 # 1 in this many of the softmax exponentials on the FMA pipe (``FwdSm90Config.exp2_emu``). At d = 128
 # FP8 the MUFU's 16 exp2 per clock take as long as the QGMMAs of a block: with V in the kernel order,
-# 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k); at d = 256 (twice
-# the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%. Output checked in those runs
-# (scripts/tune_fp8.py), but not yet through the GPU test suite: {128: 8} once it has.
-SM90_FP8_EXP2_EMU: dict[int, int] = {}
+# 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k) and +0.5-2% at
+# N = 2k / 4k; at d = 256 (twice the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%.
+SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
+# Persistent grid up to this many keys (session 6, N = 2k / 4k, TFLOP/s one CTA per tile ->
+# persistent): non-causal with a static stride 749 -> 794, 827 -> 839 (d = 128) and 1063 -> 1115,
+# 1102 -> 1142 (d = 256); causal with tiles claimed from the atomic counter 571 -> 636, 697 -> 747
+# (d = 128) and 851 -> 917, 1004 -> 1041 (d = 256). Longer sequences were not measured (bf16 lost
+# 2% at 8k with the static stride), so they keep one CTA per tile.
+SM90_FP8_PERSISTENT_MAX_SEQLEN = 4096
 # Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
 # tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
 SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
@@ -45,9 +50,8 @@ SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
 @dataclass(frozen=True)
 class FwdSm90Fp8Config(FwdSm90Config):
     """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. Dense inputs, no softcap (packed
-    GQA and varlen are not wired for FP8 yet). The persistent grid (``num_ctas``, per-tile descales)
-    compiles and is reachable through ``run_fwd_fp8`` overrides; not yet run on a GPU, so no
-    launch picks it."""
+    GQA and varlen are not wired for FP8 yet). ``run_fwd_fp8`` picks the persistent grid
+    (``num_ctas``, per-tile descales) for short sequences (``fp8_launch_fields``)."""
 
     # V storage in the kernel's token order (``fp8_ref.V_PERM16``, as ``quant.quantize_qkv(...,
     # v_perm=True)`` writes it): P needs no exchange between lanes. Off: natural token order.
@@ -106,6 +110,16 @@ class FwdSm90Fp8Config(FwdSm90Config):
         return (q, k, v, o, lse, None, None, *scalars, counter, *descales, jit.fake_stream())
 
 
+def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int) -> dict:
+    """Fields chosen at launch: the persistent grid where it measured faster (above); sliding
+    windows (unmeasured) keep one CTA per tile."""
+    if local or num_keys > SM90_FP8_PERSISTENT_MAX_SEQLEN:
+        return {}
+    # Causal tiles are unequal: claiming them longest first from a counter balances the SMs, a
+    # static stride does not.
+    return {"num_ctas": num_sms, "dynamic_tiles": causal}
+
+
 assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256).smem_bytes(True)
 
 
@@ -135,6 +149,11 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
         raise ValueError("FP8 forward: v must be token-contiguous (as quant.quantize_qkv writes it)")
     causal, local, left, right = normalize_window(causal, window_size)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
+    if q8.device.type == "cuda":
+        from cute_flash.fwd_sm90 import sm_count
+
+        fields = fp8_launch_fields(k8.shape[1], causal=causal, local=local, num_sms=sm_count(q8.device))
+        overrides = {**fields, **overrides}
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
                            causal=causal, local=local, v_perm=v_perm, **overrides)
     fn = jit.compile_kernel(cfg)

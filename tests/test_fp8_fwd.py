@@ -20,12 +20,12 @@ VARIANTS = [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "cau
 # V in the kernel's token order (the fp8=True path): no P exchange between lanes.
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, v_perm=True)
              for d in (64, 128, 256) for c in (False, True)]
-# The persistent grid (overrides only until a GPU run): causal with atomic tile claims, static.
+# The persistent grid (the launch's choice up to 4k keys): causal with atomic tile claims, static.
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=True, v_perm=True, num_ctas=132,
                               dynamic_tiles=True),
              FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256, v_perm=True, num_ctas=132)]
-# 1 in 8 exponentials by the FMA-pipe polynomial (measured +3% at d = 128; not yet the default).
-VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v_perm=True, exp2_emu=8)
+# Every exponential on the MUFU at d = 128 (the default puts 1 in 8 on the FMA pipe).
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v_perm=True, exp2_emu=0)
              for c in (False, True)]
 
 
@@ -80,7 +80,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True), dict(pack_gqa=2),
-               dict(tile_n=80)):  # (the persistent grid compiles: override-only, above)
+               dict(tile_n=80)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
@@ -211,9 +211,22 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
 @pytest.mark.parametrize("d,causal,hkv", [(128, False, 4), (128, True, 2), (64, False, 1), (256, True, 4)])
 def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, causal: bool, hkv: int,
                                                                         v_perm: bool, emu: int) -> None:
-    """Kernel vs reference (``_kernel_vs_reference``). 517 keys: the kernel-order V has tokens
-    below N stored past N (the last, partial 16)."""
-    _kernel_vs_reference(d, causal, 2, 300, 517, 4, hkv, seed=2, v_perm=v_perm, exp2_emu=emu)
+    """Kernel vs reference (``_kernel_vs_reference``), one CTA per tile (as for more than 4k keys;
+    the persistent grid has its own test). 517 keys: the kernel-order V has tokens below N stored
+    past N (the last, partial 16)."""
+    _kernel_vs_reference(d, causal, 2, 300, 517, 4, hkv, seed=2, v_perm=v_perm, exp2_emu=emu, num_ctas=0,
+                         dynamic_tiles=False)
+
+
+def test_fp8_launch_takes_the_persistent_grid_up_to_4k_keys_and_claims_causal_tiles() -> None:
+    from cute_flash.fwd_fp8 import fp8_launch_fields
+
+    assert fp8_launch_fields(4096, causal=False, local=False, num_sms=132) == {"num_ctas": 132,
+                                                                             "dynamic_tiles": False}
+    assert fp8_launch_fields(300, causal=True, local=False, num_sms=132) == {"num_ctas": 132,
+                                                                            "dynamic_tiles": True}
+    assert fp8_launch_fields(4097, causal=True, local=False, num_sms=132) == {}
+    assert fp8_launch_fields(300, causal=False, local=True, num_sms=132) == {}
 
 
 def test_inspect_shows_the_fp8_path_for_sm90a() -> None:
