@@ -80,7 +80,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           deterministic: bool = False, return_lse: bool = False
+                           deterministic: bool = False, return_lse: bool = False, *,
+                           q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+                           v_descale: torch.Tensor | None = None, fp8: bool = False
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on packed variable-length sequences.
 
@@ -89,7 +91,20 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (int32, length B+1, starting at 0). ``max_seqlen_q``/``max_seqlen_k`` must be at least the
     longest sequence. Masks are aligned per sequence. Returns out (Tq, H, dv), or (out, lse) with
     lse (H, Tq) float32.
+
+    FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
+    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head.
     """
+    if fp8 or q.dtype == fp8_ops.FP8:
+        if softcap != 0.0:
+            raise ValueError("FP8 attention has no softcap")
+        out, lse = fp8_ops.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                                window_size=window_size,
+                                                descales=(q_descale, k_descale, v_descale), quantize=fp8)
+        return (out, lse) if return_lse else out
+    if any(x is not None for x in (q_descale, k_descale, v_descale)):
+        raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = torch.ops.cute_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                int(max_seqlen_k), scale, bool(causal), wl, wr, cap,

@@ -1,5 +1,7 @@
 """FP8 (e4m3) forward ops (issue 5): ``cute_flash::quantize_qkv`` and ``cute_flash::fwd_fp8``,
-and ``fp8_attention`` behind ``flash_attn_func``'s e4m3 inputs and ``fp8=True``.
+their packed-sequence twins ``quantize_qkv_varlen`` and ``varlen_fwd_fp8``, and
+``fp8_attention`` / ``fp8_attention_varlen`` behind the e4m3 inputs and ``fp8=True`` of
+``flash_attn_func`` / ``flash_attn_varlen_func``.
 
 As the other ``cute_flash`` ops: a fake implementation (``torch.compile(fullgraph=True)``), a CPU
 implementation from the reference (``fp8_ref``), a CUDA implementation that launches the kernels
@@ -52,6 +54,44 @@ def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor,
         if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
             raise ValueError(f"{name} must be float32 of shape (B, H_kv) = {shape} on {q8.device}, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_heads_varlen(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Packed q (T_q, H, d), k / v (T_k, H_kv, d): the shape rules of ``check_heads``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed (T, H, d), got shape {tuple(t.shape)}")
+    check_heads(q[None], k[None], v[None])
+
+
+def check_cu_data(q: Tensor, k: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> None:
+    """The cu_seqlens values (a host sync), in the ops' real implementations before any launch:
+    a bad offset would send the kernels' loads out of bounds."""
+    from cute_flash import validate
+
+    validate.check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+
+
+def check_fp8_varlen_inputs(q8: Tensor, k8: Tensor, v8: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                            max_k: int, descales: tuple[Tensor, ...]) -> None:
+    """Everything but the cu_seqlens values (``check_cu_data``): also runs while tracing."""
+    from cute_flash import validate
+
+    for name, t in (("q", q8), ("k", k8), ("v", v8)):
+        if t.dtype != FP8:
+            raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
+        if t.requires_grad:
+            raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
+    check_heads_varlen(q8, k8, v8)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, Tensor) or cu.device != q8.device:
+            raise ValueError(f"{name} must be a tensor on {q8.device}")
+    validate.check_cu_seqlens(cu_q, cu_k, q8.shape[0], k8.shape[0], max_q, max_k, check_data=False)
+    shape = (cu_q.shape[0] - 1, k8.shape[1])
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
+            raise ValueError(f"{name} must be float32 of shape (num_seqs, H_kv) = {shape} on {q8.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +170,88 @@ def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed sequences: cute_flash::quantize_qkv_varlen and cute_flash::varlen_fwd_fp8
+# ---------------------------------------------------------------------------------------------
+def _quant_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor) -> tuple[Tensor, ...]:
+    t, hkv, d = k.shape
+    t_pad = (t + 15) // 16 * 16
+    v8 = torch.empty_strided(v.shape, (1, d * t_pad, t_pad), dtype=FP8, device=v.device)
+    ds = [q.new_empty((cu_q.shape[0] - 1, hkv), dtype=torch.float32) for _ in range(3)]
+    return (torch.empty_like(q, dtype=FP8, memory_format=torch.contiguous_format),
+            torch.empty_like(k, dtype=FP8, memory_format=torch.contiguous_format), v8, *ds)
+
+
+@torch.library.custom_op("cute_flash::quantize_qkv_varlen", mutates_args=(), device_types="cpu")
+def quantize_qkv_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, rotate: bool, seed: int
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q8, k8, v8, *ds = fp8_ref.quantize_qkv_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, rotate_qk=rotate,
+                                                      seed=seed)
+    return q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous_varlen(v8), *ds
+
+
+@quantize_qkv_varlen_op.register_kernel("cuda")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed):
+    from cute_flash.quant import quantize_qkv_varlen
+
+    check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               rotate=rotate, seed=seed)
+
+
+@quantize_qkv_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed):
+    return _quant_varlen_fake(q, k, v, cu_seqlens_q)
+
+
+def _varlen_fwd_fp8_fake(q8: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    t, h, d = q8.shape
+    return q8.new_empty((t, h, d), dtype=out_dtype), q8.new_empty((h, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::varlen_fwd_fp8", mutates_args=(), device_types="cpu")
+def varlen_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   max_seqlen_q: int, max_seqlen_k: int, q_descale: Tensor, k_descale: Tensor,
+                   v_descale: Tensor, softmax_scale: float, causal: bool, window_left: int,
+                   window_right: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = fp8_ref.attention_fp8_varlen_ref(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                                                v_descale, softmax_scale=softmax_scale, causal=causal,
+                                                window_size=(window_left, window_right))
+    return out.to(out_dtype).contiguous(), lse.contiguous()
+
+
+@varlen_fwd_fp8.register_kernel("cuda")
+def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale,
+      softmax_scale, causal, window_left, window_right, out_dtype):
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+
+    check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen_fwd_fp8_fake(q8, out_dtype)
+    if q8.shape[0] == 0:
+        return out, lse
+    if k8.shape[0] == 0:
+        # No keys in any sequence: the kernel's TMA needs a non-empty tensor; attention over
+        # nothing is 0 with LSE -inf.
+        return out.zero_(), lse.fill_(float("-inf"))
+    # P V reads V with the tokens contiguous (K-major B operand): a caller's V is re-laid out (the
+    # natural token order: packed sequences do not start on multiples of 16, which the kernel
+    # order permutes within).
+    run_fwd_fp8(q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous_varlen(v8), q_descale, k_descale,
+                v_descale, out, lse, softmax_scale=softmax_scale, causal=causal,
+                window_size=(window_left, window_right), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q)
+    return out, lse
+
+
+@varlen_fwd_fp8.register_fake
+def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale,
+      softmax_scale, causal, window_left, window_right, out_dtype):
+    return _varlen_fwd_fp8_fake(q8, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # The flash_attn_func path
 # ---------------------------------------------------------------------------------------------
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None, causal: bool,
@@ -158,3 +280,42 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.cute_flash.fwd_fp8(q, k, v, *ds, float(scale), bool(causal), int(window_size[0]),
                                         int(window_size[1]), out_dtype, quantize)
+
+
+def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None, causal: bool,
+                         window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
+                         seed: int = 0) -> tuple[Tensor, Tensor]:
+    """``fp8_attention`` on packed sequences (``flash_attn_varlen_func``): descales per (sequence,
+    kv head), (num_seqs, H_kv)."""
+    if quantize:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
+        if any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("fp8=True is forward-only: the inputs must not require grad")
+        if any(x is not None for x in descales):
+            raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
+        if q.dtype != k.dtype or k.dtype != v.dtype:
+            raise TypeError("q, k, v must share a dtype")
+        check_heads_varlen(q, k, v)
+        from cute_flash import validate
+
+        validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                  max_seqlen_k, check_data=False)
+        out_dtype = q.dtype
+        q, k, v, *ds = torch.ops.cute_flash.quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                 int(max_seqlen_q), int(max_seqlen_k), True,
+                                                                 int(seed))
+    else:
+        cu = cu_seqlens_q
+        num_seqs = cu.shape[0] - 1 if isinstance(cu, Tensor) and cu.dim() == 1 else 1
+        shape = (num_seqs, k.shape[1]) if k.dim() == 3 else (1, 1)
+        ds = [x if x is not None else torch.ones(shape, dtype=torch.float32, device=q.device)
+              for x in descales]
+        out_dtype = torch.bfloat16
+    check_fp8_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                            tuple(ds))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.cute_flash.varlen_fwd_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                               int(max_seqlen_k), *ds, float(scale), bool(causal),
+                                               int(window_size[0]), int(window_size[1]), out_dtype)

@@ -72,7 +72,9 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 def _group_amax(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """amax per (batch, kv head) of a (B, N, H, d) tensor whose H heads form num_kv_heads groups."""
-    b, _, h, _ = x.shape
+    b, n, h, _ = x.shape
+    if n == 0:  # an empty (varlen) sequence: nothing to scale, descale 0 as the kernel's
+        return x.new_zeros(b, num_kv_heads)
     per_head = x.abs().amax(dim=(1, 3))  # (B, H)
     return per_head.reshape(b, num_kv_heads, h // num_kv_heads).amax(dim=2)
 
@@ -204,6 +206,37 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
     o = torch.where(rowsum > 0, o, torch.zeros_like(o))
     lse = (m + rowsum.log()).squeeze(-1)
     return o.permute(0, 2, 1, 3), lse
+
+
+def token_contiguous_varlen(v8: torch.Tensor) -> torch.Tensor:
+    """Packed v8 (T, H_kv, d) as a view over token-contiguous (H_kv, d, T_pad) storage, T_pad = T
+    rounded up to 16 (the varlen FP8 kernel's V; natural token order, padding zeros)."""
+    t, hkv, d = v8.shape
+    t_pad = (t + 15) // 16 * 16
+    if v8.stride() == (1, d * t_pad, t_pad):
+        return v8
+    store = torch.zeros(hkv, d, t_pad, dtype=torch.uint8, device=v8.device)
+    store[..., :t] = _bytes(v8).permute(1, 2, 0)
+    return store.view(v8.dtype)[..., :t].permute(2, 0, 1)
+
+
+def attention_fp8_varlen_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
+                             v_descale: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_fp8_ref`` on packed sequences: q8 (T_q, H, d), k8 / v8 (T_k, H_kv, d) (any
+    strides), descales (S, H_kv) -> (out fp32 (T_q, H, d), lse (H, T_q)); sequence s is rows
+    cu[s]:cu[s + 1], its masks aligned within it."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = torch.zeros(q8.shape, dtype=torch.float32, device=q8.device)
+    lse = torch.full((q8.shape[1], q8.shape[0]), float("-inf"), device=q8.device)
+    for s in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
+        if q1 == q0:
+            continue
+        o, l_ = attention_fp8_ref(q8[None, q0:q1], k8[None, k0:k1], v8[None, k0:k1], q_descale[s:s + 1],
+                                  k_descale[s:s + 1], v_descale[s:s + 1], **kwargs)
+        out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
+    return out, lse
 
 
 def outlier_qkv(b: int, n: int, h: int, d: int, *, seed: int = 0, device: str = "cpu",

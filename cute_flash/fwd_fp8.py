@@ -49,9 +49,9 @@ SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
 
 @dataclass(frozen=True)
 class FwdSm90Fp8Config(FwdSm90Config):
-    """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. Dense inputs, no softcap (packed
-    GQA and varlen are not wired for FP8 yet). ``run_fwd_fp8`` picks the persistent grid
-    (``num_ctas``, per-tile descales) for short sequences (``fp8_launch_fields``)."""
+    """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. No softcap. ``run_fwd_fp8``
+    picks packed GQA for short query sequences and the persistent grid (``num_ctas``, per-tile
+    descales) for short key sequences (``fp8_launch_fields``)."""
 
     # V storage in the kernel's token order (``fp8_ref.V_PERM16``, as ``quant.quantize_qkv(...,
     # v_perm=True)`` writes it): P needs no exchange between lanes. Off: natural token order.
@@ -62,9 +62,16 @@ class FwdSm90Fp8Config(FwdSm90Config):
     def __post_init__(self) -> None:
         if self.hdim not in SM90_FP8_FWD_TILES or self.hdim_v != self.hdim:
             raise ValueError(f"FP8 forward: head dims {tuple(SM90_FP8_FWD_TILES)} with d_v = d")
-        if self.softcap or self.varlen or self.pack_gqa != 1:
-            raise ValueError("FP8 forward: no softcap, varlen or packed GQA yet")
-        table = SM90_FP8_FWD_TILES_LOCAL if self.local else SM90_FP8_FWD_TILES
+        if self.softcap:
+            raise ValueError("FP8 forward: no softcap")
+        if self.varlen and self.v_perm:
+            # The kernel order permutes each 16 tokens of the storage, and packed sequences do
+            # not start on multiples of 16.
+            raise ValueError("FP8 forward: varlen takes V in its natural token order")
+        # Varlen causal at d = 64 (three warpgroups) spills 248 bytes with the tuned tile: the
+        # sequence offsets and both mask bounds stay live; the smaller tile does not.
+        small = self.local or (self.varlen and self.causal and self.hdim == 64)
+        table = SM90_FP8_FWD_TILES_LOCAL if small else SM90_FP8_FWD_TILES
         tile_m, tile_n, stages, wgs, pingpong, overlap = table[self.hdim]
         for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("stages", stages),
                             ("num_mma_wg", wgs)):
@@ -95,6 +102,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
 
     def fake_args(self) -> tuple:
         f8, out = cutlass.Float8E4M3FN, jit.DTYPES[self.dtype]
+        if self.varlen:
+            return self._fake_args_varlen(f8, out)
         b, nq, nk, h, hkv, d = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym(), self.hdim
         q = jit.fake_tensor(f8, (b, nq, h, d), divisibility=16)
         k = jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16)
@@ -109,15 +118,41 @@ class FwdSm90Fp8Config(FwdSm90Config):
         descales = [jit.fake_tensor(cutlass.Float32, (b, hkv)) for _ in range(3)]
         return (q, k, v, o, lse, None, None, *scalars, counter, *descales, jit.fake_stream())
 
+    def _fake_args_varlen(self, f8, out) -> tuple:
+        """Packed sequences: Q, O (T_q, H, d), K (T_k, H_kv, d), V (T_k, H_kv, d) over
+        token-contiguous storage, LSE (H, T_q), cu_seqlens (S + 1,), descales (S, H_kv)."""
+        tq, tk, h, hkv, s1, s = (jit.sym() for _ in range(6))
+        d = self.hdim
+        q = jit.fake_tensor(f8, (tq, h, d), divisibility=16)
+        k = jit.fake_tensor(f8, (tk, hkv, d), divisibility=16)
+        v = jit.fake_tensor(f8, (tk, hkv, d), leading_dim=0, divisibility=16)
+        o = jit.fake_tensor(out, (tq, h, d), divisibility=jit.vec_div(out))
+        lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
+        cu_q = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
+        cu_k = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
+        scalars = (cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(-1), cutlass.Int32(-1),
+                   cutlass.Int32(0))
+        counter = jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0)
+        descales = [jit.fake_tensor(cutlass.Float32, (s, hkv)) for _ in range(3)]
+        return (q, k, v, o, lse, cu_q, cu_k, *scalars, counter, *descales, jit.fake_stream())
 
-def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int) -> dict:
-    """Fields chosen at launch: the persistent grid where it measured faster (above); sliding
-    windows (unmeasured) keep one CTA per tile."""
-    if local or num_keys > SM90_FP8_PERSISTENT_MAX_SEQLEN:
-        return {}
+
+def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int, hdim: int = 128,
+                      varlen: bool = False, num_queries: int = 0, pack: int = 1,
+                      dense_q: bool = True) -> dict:
+    """Fields chosen at launch: packed GQA for short query sequences, the persistent grid where it
+    measured faster (above); sliding windows (unmeasured) and varlen keep one CTA per tile."""
+    fields: dict = {}
+    tile_m = (SM90_FP8_FWD_TILES_LOCAL if local else SM90_FP8_FWD_TILES).get(hdim, (128,))[0]
+    if not varlen and pack > 1 and tile_m % pack == 0 and dense_q and num_queries * pack <= tile_m:
+        # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so each
+        # K/V block is read once per KV head, and the tile is not mostly empty rows.
+        fields["pack_gqa"] = pack
+    if local or varlen or num_keys > SM90_FP8_PERSISTENT_MAX_SEQLEN:
+        return fields
     # Causal tiles are unequal: claiming them longest first from a counter balances the SMs, a
     # static stride does not.
-    return {"num_ctas": num_sms, "dynamic_tiles": causal}
+    return {**fields, "num_ctas": num_sms, "dynamic_tiles": causal}
 
 
 assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256).smem_bytes(True)
@@ -125,39 +160,52 @@ assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256
 
 def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
                 causal: bool = False, window_size: tuple[int, int] = (-1, -1), v_perm: bool = False,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
                 **overrides) -> None:
-    """Launch the FP8 forward: e4m3 ``q8`` / ``k8`` (B, N, H, d) and ``v8`` as
-    ``quant.quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous storage, or with
-    ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order; writes ``out``
-    (B, N, H, d) bf16 / fp16 and ``lse`` (B, H, N) fp32. ``overrides``: config fields (tile sizes,
-    switches) for tuning."""
+    """Launch the FP8 forward on validated CUDA tensors. Dense: e4m3 ``q8`` / ``k8`` (B, N, H, d)
+    and ``v8`` as ``quant.quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous
+    storage, or with ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order;
+    ``out`` (B, N, H, d) bf16 / fp16, ``lse`` (B, H, N) fp32, descales (B, H_kv). Varlen
+    (``cu_seqlens_q`` / ``_k`` int32 (S + 1,)): q8 (T_q, H, d), k8 (T_k, H_kv, d), v8 (T_k, H_kv, d)
+    over token-contiguous (H_kv, d, T_pad) storage, out (T_q, H, d), lse (H, T_q), descales
+    (S, H_kv). ``overrides``: config fields (tile sizes, switches) for tuning."""
     import torch
 
     from cute_flash.fwd import normalize_window
 
     if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
         raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
+    varlen = cu_seqlens_q is not None
     if v_perm:
         b, nk, hkv, d = k8.shape
-        if tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
+        if varlen or tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
             raise ValueError("FP8 forward: v_perm expects the contiguous (B, H_kv, d, N_pad) storage "
-                             "quant.quantize_qkv(..., v_perm=True) returns")
+                             "quant.quantize_qkv(..., v_perm=True) returns (dense inputs only)")
         # The kernel reads (B, N_pad, H_kv, d) over it: every stored position, since a token below
         # N may sit past N in the kernel order (its P is zero where the token is past N).
         v8 = v8.permute(0, 3, 1, 2)
-    elif v8.stride(1) != 1:
-        raise ValueError("FP8 forward: v must be token-contiguous (as quant.quantize_qkv writes it)")
+    elif v8.stride(-3) != 1 or any(st % 16 for st in v8.stride()[:-3] + v8.stride()[-2:]):
+        # TMA: the token dim contiguous, every other stride a multiple of 16 bytes.
+        raise ValueError("FP8 forward: v must be token-contiguous with 16-byte aligned strides (as "
+                         "quant.quantize_qkv writes it)")
     causal, local, left, right = normalize_window(causal, window_size)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
     if q8.device.type == "cuda":
-        from cute_flash.fwd_sm90 import sm_count
+        from cute_flash.fwd_sm90 import _dense_bnhd, sm_count
 
-        fields = fp8_launch_fields(k8.shape[1], causal=causal, local=local, num_sms=sm_count(q8.device))
+        fields = fp8_launch_fields(k8.shape[-3], causal=causal, local=local, num_sms=sm_count(q8.device),
+                                   hdim=q8.shape[-1], varlen=varlen, num_queries=q8.shape[-3],
+                                   pack=q8.shape[-2] // k8.shape[-2], dense_q=varlen or _dense_bnhd(q8))
         overrides = {**fields, **overrides}
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
-                           causal=causal, local=local, v_perm=v_perm, **overrides)
+                           causal=causal, local=local, v_perm=v_perm, varlen=varlen, **overrides)
     fn = jit.compile_kernel(cfg)
+    if varlen:
+        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
+            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    else:
+        mq = q8.shape[1]
     # The tile counter: zeroed per launch for a dynamic persistent grid, else a cached placeholder.
     (counter,) = cfg.launch_args(q8.device)
-    fn(q8, k8, v8, out, lse, None, None, float(softmax_scale), 0.0, left, right, q8.shape[1], counter,
-       q_descale, k_descale, v_descale)
+    fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,
+       counter, q_descale, k_descale, v_descale)

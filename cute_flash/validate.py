@@ -197,6 +197,15 @@ def _check_cu_seqlens_data(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int,
                              f"({max(lens)}); the kernel would skip tokens")
 
 
+def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
+                     max_seqlen_q: int | None, max_seqlen_k: int | None, *, check_data: bool = True) -> None:
+    """cu_seqlens of packed inputs: int32, 1-D, as long as each other; with ``check_data`` (real
+    tensors) starting at 0, non-decreasing, ending at the token totals, within the max lengths."""
+    _check_cu_seqlens_meta(cu_q, cu_k)
+    if check_data:
+        _check_cu_seqlens_data(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+
+
 def check_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,

@@ -115,3 +115,112 @@ def test_kernel_order_v_gives_the_same_attention_as_natural_v() -> None:
     natural = attention_fp8_ref(*quantize_qkv_ref(q, k, v), causal=True)[0]
     permuted = attention_fp8_ref(*quantize_qkv_ref(q, k, v, v_perm=True), causal=True, v_perm=True)[0]
     assert torch.equal(natural, permuted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (flash_attn_varlen_func)
+# ---------------------------------------------------------------------------------------------
+def _varlen_inputs(lens_q=(17, 0, 43, 4), lens_k=(30, 5, 43, 1), h=4, hkv=2, d=64):
+    torch.manual_seed(1)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), h, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(int(cu_k[-1]), hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+def _seqs(cu: torch.Tensor) -> list[tuple[int, int]]:
+    c = cu.tolist()
+    return list(zip(c[:-1], c[1:], strict=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_e4m3_inputs_give_each_sequence_its_own_fp8_attention(causal: bool) -> None:
+    """Per-(sequence, kv head) descales; each sequence as ``flash_attn_func`` computes it alone
+    (masks aligned within the sequence; an empty query sequence and a one-key one included)."""
+    from cute_flash import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
+    parts = [quantize_qkv_ref(q[None, a:b], k[None, c:e], v[None, c:e])
+             for (a, b), (c, e) in zip(_seqs(cu_q), _seqs(cu_k), strict=True)]
+    q8, k8, v8 = (torch.cat([p[i][0].float() for p in parts]).to(torch.float8_e4m3fn) for i in range(3))
+    qd, kd, vd = (torch.cat([p[i] for p in parts]) for i in range(3, 6))
+    out, lse = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, mq, mk, causal=causal, q_descale=qd,
+                                      k_descale=kd, v_descale=vd, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    for s, ((a, b), (c, e)) in enumerate(zip(_seqs(cu_q), _seqs(cu_k), strict=True)):
+        if a == b:
+            continue
+        ref, ref_lse = flash_attn_func(q8[None, a:b], k8[None, c:e], v8[None, c:e], causal=causal,
+                                       q_descale=qd[s:s + 1], k_descale=kd[s:s + 1], v_descale=vd[s:s + 1],
+                                       return_lse=True)
+        assert torch.equal(out[a:b], ref[0])
+        assert torch.equal(lse[:, a:b], ref_lse[0])
+
+
+def test_varlen_fp8_true_quantizes_each_sequence_with_its_own_scales() -> None:
+    from cute_flash import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(d=128)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, fp8=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for (a, b), (c, e) in zip(_seqs(cu_q), _seqs(cu_k), strict=True):
+        if a == b:
+            continue
+        alone = flash_attn_func(q[None, a:b], k[None, c:e], v[None, c:e], causal=True, fp8=True)
+        assert torch.allclose(out[a:b].float(), alone[0].float(), atol=1e-2, rtol=1e-2)
+    exact = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+    err = (out.float() - exact.float()).pow(2).mean().sqrt()
+    assert err < 0.08 * exact.float().pow(2).mean().sqrt()
+
+
+def test_varlen_fp8_refuses_bad_input_before_running() -> None:
+    from cute_flash import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
+    f8 = torch.float8_e4m3fn
+    q8, k8, v8 = q.to(f8), k.to(f8), v.to(f8)
+    ones = torch.ones(4, 2)
+    with pytest.raises(ValueError, match="descale"):  # (B, H_kv) per sequence, not per batch of 1
+        flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, mq, mk, q_descale=ones[:1], k_descale=ones,
+                               v_descale=ones)
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_varlen_func(q8, k8, v8, cu_q.long(), cu_k, mq, mk)
+    with pytest.raises(ValueError, match="packed tokens"):
+        flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k + torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32), mq,
+                               mk)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 5, mk)
+    with pytest.raises(ValueError, match="packed"):
+        flash_attn_varlen_func(q8[None], k8, v8, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, mq, mk, softcap=3.0)
+    with pytest.raises(ValueError, match="forward-only"):
+        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, mq, mk, fp8=True)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        flash_attn_varlen_func(q.detach(), k, v, cu_q, cu_k, mq, 2, fp8=True)
+
+
+def test_torch_compile_traces_the_varlen_fp8_path() -> None:
+    from cute_flash import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
+
+    def f(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, fp8=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(q, k, v, cu_q, cu_k).float(), f(q, k, v, cu_q, cu_k).float())
+
+
+def test_opcheck_varlen_fp8_ops() -> None:
+    from cute_flash.fp8_ref import quantize_qkv_varlen_ref
+
+    utils = ("test_faketensor", "test_autograd_registration")
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
+    torch.library.opcheck(torch.ops.cute_flash.quantize_qkv_varlen.default,
+                          (q, k, v, cu_q, cu_k, mq, mk, True, 3), test_utils=utils)
+    q8, k8, v8, qd, kd, vd = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k)
+    torch.library.opcheck(torch.ops.cute_flash.varlen_fwd_fp8.default,
+                          (q8, k8, v8, cu_q, cu_k, mq, mk, qd, kd, vd, 0.125, True, -1, 0, torch.bfloat16),
+                          test_utils=utils)

@@ -115,14 +115,22 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     # Operand hooks -------------------------------------------------------------------------------
     def v_source(self, mV: cute.Tensor) -> cute.Tensor:
-        """(N, d, H, B) with the tokens contiguous -> (d, N, H, B): TMA boxes of (d, tile_n)."""
-        return cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 0, 2, 3]))
+        """(N, d, H, B) with the tokens contiguous -> (d, N, H, B): TMA boxes of (d, tile_n)
+        (packed: (T, d, H) -> (d, T, H))."""
+        modes = [1, 0, 2] if cutlass.const_expr(self.varlen) else [1, 0, 2, 3]
+        return cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=modes))
 
     def v_box(self) -> tuple:
         return (self.hdim_v, self.tile_n)
 
     def v_blocks(self, mV: cute.Tensor, seqlen, head_kv, batch) -> cute.Tensor:
-        return cute.local_tile(mV[None, None, head_kv, batch], (self.hdim_v, self.tile_n), (0, None))
+        if cutlass.const_expr(self.varlen):
+            # The sequence's keys start at its cu_seqlens offset of the packed token dim; a box
+            # running into the next sequence's keys meets P = 0 there (seqlen mask).
+            keys = cute.domain_offset((0, seqlen.offset_k), mV[None, None, head_kv])
+        else:
+            keys = mV[None, None, head_kv, batch]
+        return cute.local_tile(keys, (self.hdim_v, self.tile_n), (0, None))
 
     def v_operand(self, wg_pv, sV: cute.Tensor) -> cute.Tensor:
         return wg_pv.make_fragment_B(wg_pv.partition_B(sV))
