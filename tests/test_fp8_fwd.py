@@ -28,12 +28,19 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=True
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v_perm=True, exp2_emu=0)
              for c in (False, True)]
 
+# Packed sequences (natural V order, a domain offset on V's token mode) and packed GQA (decode).
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, varlen=True)
+             for d in (64, 128, 256) for c in (False, True)]
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, pack_gqa=p)
+             for d, c, p in ((64, False, 8), (128, True, 4), (256, False, 8))]
+
 
 def _id(c: FwdSm90Fp8Config) -> str:
     mode = "causal" if c.causal else "local" if c.local else "plain"
     emu = f"-emu{c.exp2_emu}" if c.exp2_emu else ""
     grid = f"-persistent{'-dynamic' if c.dynamic_tiles else ''}" if c.num_ctas else ""
-    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid
+    packed = ("-varlen" if c.varlen else "") + (f"-pack{c.pack_gqa}" if c.pack_gqa > 1 else "")
+    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid + packed
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -79,7 +86,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 
 
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
-    for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True), dict(pack_gqa=2),
+    for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
                dict(tile_n=80)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
@@ -290,6 +297,82 @@ def test_callers_dense_e4m3_v_is_relaid_into_the_kernel_order_and_matches_the_re
     out = flash_attn_func(*(t.cuda() for t in (q8, k8, v8)), causal=True, q_descale=qd.cuda(),
                           k_descale=kd.cuda(), v_descale=vd.cuda()).cpu().float()
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d,causal,hkv", [(64, True, 2), (128, False, 4), (128, True, 1), (256, False, 2)])
+def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv: int) -> None:
+    """Packed sequences of unequal lengths that are not multiples of 16 (V boxes start mid-16 and
+    run into the next sequence's keys), an empty query sequence, more queries than keys (causal
+    rows with no key: 0 and LSE -inf), per-(sequence, kv head) descales; NaN-poisoned outputs."""
+    import math
+
+    import torch
+
+    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_ref, token_contiguous_varlen
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+
+    torch.manual_seed(11)
+    lens_q, lens_k = [300, 1, 0, 129, 77], [517, 40, 9, 129, 33]
+    h = 4
+    parts = [quantize_qkv_ref(*(torch.randn(1, n, heads, d, device="cuda") for n, heads in ((a, h), (b, hkv),
+                                                                                           (b, hkv))),
+                              rotate_qk=True, seed=3)
+             for a, b in zip(lens_q, lens_k, strict=True)]
+    q8, k8, v8 = (torch.cat([p[i][0].view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
+                  for i in range(3))
+    qd, kd, vd = (torch.cat([p[i] for p in parts]) for i in range(3, 6))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for x in (lens_q, lens_k))
+    out = torch.full((q8.shape[0], h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((h, q8.shape[0]), float("nan"), device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    run_fwd_fp8(q8, k8, token_contiguous_varlen(v8), qd, kd, vd, out, lse, softmax_scale=scale, causal=causal,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
+                                            causal=causal)
+    err = (out.float() - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d,nq,h,hkv,causal", [(128, 1, 32, 4, False), (64, 5, 16, 2, True),
+                                               (256, 3, 8, 1, True)])
+def test_fp8_decode_with_packed_gqa_matches_the_reference(d: int, nq: int, h: int, hkv: int,
+                                                          causal: bool) -> None:
+    """Few queries, GQA: the launch packs each kv head's query heads into one M tile."""
+
+    from cute_flash.fwd_fp8 import fp8_launch_fields
+
+    assert fp8_launch_fields(1000, causal=causal, local=False, num_sms=132, hdim=d, num_queries=nq,
+                             pack=h // hkv)["pack_gqa"] == h // hkv
+    _kernel_vs_reference(d, causal, 3, nq, 1000, h, hkv, seed=12, v_perm=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_varlen_fp8_true_through_the_public_api_matches_the_cpu_path() -> None:
+    """``flash_attn_varlen_func(..., fp8=True)``: the varlen quantize kernel and the varlen FP8
+    kernel against the same call on the CPU (reference ops)."""
+    import torch
+
+    from cute_flash import flash_attn_varlen_func
+
+    torch.manual_seed(13)
+    lens_q, lens_k = [200, 0, 31, 64], [250, 17, 31, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32)
+                  for x in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    args = (max(lens_q), max(lens_k))
+    cpu = flash_attn_varlen_func(q, k, v, cu_q, cu_k, *args, causal=True, fp8=True)
+    gpu = flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), *args, causal=True,
+                                 fp8=True).cpu()
+    assert (gpu.float() - cpu.float()).abs().max() < 0.05 * cpu.float().abs().max()
 
 
 @pytest.mark.gpu
