@@ -268,3 +268,33 @@ def fp8_rmse_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         o, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=seed), causal=causal)
         out[name] = rmse(o)
     return out
+
+
+def quantize_qkv_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, *, rotate_qk: bool = True,
+                            seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``quantize_qkv_ref`` on packed sequences, one call per sequence s (rows cu[s]:cu[s + 1] of
+    q (T_q, H, d) and of k, v (T_k, H_kv, d)), laid out as ``quant.quantize_qkv_varlen`` returns
+    it: q8 (T_q, H, d), k8 (T_k, H_kv, d) contiguous; v8 (T_k, H_kv, d) over token-contiguous
+    (H_kv, d, T_k_pad) storage, natural order, padding zeros; descales (S, H_kv) fp32. An empty
+    sequence quantizes as one zero token: amax 0, descale 0 (the kernel's untouched amax)."""
+    tq, h, d = q.shape
+    tk, hkv, _ = k.shape
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    num_seqs = len(cu_q) - 1
+    q8 = torch.zeros(tq, h, d, dtype=torch.uint8, device=q.device)
+    k8 = torch.zeros(tk, hkv, d, dtype=torch.uint8, device=q.device)
+    v_store = torch.zeros(hkv, d, (tk + 15) // 16 * 16, dtype=torch.uint8, device=q.device)
+    descales = [torch.zeros(num_seqs, hkv, dtype=torch.float32, device=q.device) for _ in range(3)]
+    for s in range(num_seqs):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
+        qs = q[None, q0:q1] if q1 > q0 else q.new_zeros(1, 1, h, d)
+        ks, vs = (t[None, k0:k1] if k1 > k0 else t.new_zeros(1, 1, hkv, d) for t in (k, v))
+        q8s, k8s, v8s, *ds = quantize_qkv_ref(qs, ks, vs, rotate_qk=rotate_qk, seed=seed)
+        q8[q0:q1] = _bytes(q8s[0, :q1 - q0])
+        k8[k0:k1] = _bytes(k8s[0, :k1 - k0])
+        v_store[..., k0:k1] = _bytes(v8s[0, :k1 - k0]).permute(1, 2, 0)
+        for out, ds_s in zip(descales, ds, strict=True):
+            out[s] = ds_s[0]
+    f8 = torch.float8_e4m3fn
+    return q8.view(f8), k8.view(f8), v_store.view(f8)[..., :tk].permute(2, 0, 1), *descales

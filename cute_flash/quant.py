@@ -1,5 +1,6 @@
-"""Quantize-and-rotate for the FP8 forward (issue 5): kernel configs and the torch-side launcher of
-``cute_flash.hopper.quant``; ``cute_flash.fp8_ref.quantize_qkv_ref`` is the reference.
+"""Quantize-and-rotate for the FP8 forward (issue 5): kernel configs and the torch-side launchers of
+``cute_flash.hopper.quant``, dense (``quantize_qkv``) and packed (``quantize_qkv_varlen``);
+``cute_flash.fp8_ref.quantize_qkv_ref`` / ``quantize_qkv_varlen_ref`` are the references.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class QuantizeConfig(jit.KernelConfig):
     rows: int = 64
     # With ``transpose``: tokens stored in the FP8 kernel's order (``fp8_ref.V_PERM16``).
     v_perm: bool = False
+    # Packed (T, H, d) input with cu_seqlens; scales per (sequence, kv head).
+    varlen: bool = False
 
     kernel_name = "quantize"
 
@@ -40,6 +43,9 @@ class QuantizeConfig(jit.KernelConfig):
             raise ValueError("quantize: V (the transposed output) is not rotated")
         if self.v_perm and not (self.transpose and self.phase == "quant"):
             raise ValueError("quantize: v_perm orders the transposed V output")
+        if self.v_perm and self.varlen:
+            # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
+            raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
 
     def build(self):
         from cute_flash.hopper.quant import QuantizeSm90
@@ -47,10 +53,23 @@ class QuantizeConfig(jit.KernelConfig):
         return QuantizeSm90(self)
 
     def fake_args(self) -> tuple:
+        """(x, signs, amax, out, cu_seqlens, max_seqlen, stream); dense: cu_seqlens None."""
         dt = jit.DTYPES[self.dtype]
-        b, n, h, hkv, d = jit.sym(), jit.sym(), jit.sym(), jit.sym(), self.hdim
-        x = jit.fake_tensor(dt, (b, n, h, d), divisibility=jit.vec_div(dt))
+        h, hkv, d = jit.sym(), jit.sym(), self.hdim
         signs = jit.fake_tensor(cutlass.Float32, (d,))
+        if self.varlen:
+            t, s1 = jit.sym(), jit.sym()
+            x = jit.fake_tensor(dt, (t, h, d), divisibility=jit.vec_div(dt))
+            amax = jit.fake_tensor(cutlass.Float32, (jit.sym(), hkv))
+            cu = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
+            if self.transpose:
+                # (H_kv, d, T_pad) storage, T_pad a multiple of 16 (as the dense N_pad).
+                out = jit.fake_tensor(cutlass.Float8E4M3FN, (h, d, jit.sym()), leading_dim=2, divisibility=16)
+            else:
+                out = jit.fake_tensor(cutlass.Float8E4M3FN, (t, h, d), divisibility=16)
+            return x, signs, amax, out, cu, cutlass.Int32(0), jit.fake_stream()
+        b, n = jit.sym(), jit.sym()
+        x = jit.fake_tensor(dt, (b, n, h, d), divisibility=jit.vec_div(dt))
         amax = jit.fake_tensor(cutlass.Float32, (b, hkv))
         if self.transpose:
             # (B, H_kv, d, N_pad) storage, N_pad a multiple of 16 (16-byte rows for the stores
@@ -58,29 +77,35 @@ class QuantizeConfig(jit.KernelConfig):
             out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, h, d, jit.sym()), leading_dim=3, divisibility=16)
         else:
             out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, n, h, d), divisibility=16)
-        return x, signs, amax, out, jit.fake_stream()
+        return x, signs, amax, out, None, cutlass.Int32(0), jit.fake_stream()
 
 
-def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False) -> list[QuantizeConfig]:
-    """Every kernel ``quantize_qkv`` launches: amax and quant phases for Q / K and for V."""
+def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
+                  varlen: bool = False) -> list[QuantizeConfig]:
+    """Every kernel ``quantize_qkv`` (``varlen``: ``quantize_qkv_varlen``) launches: amax and quant
+    phases for Q / K and for V."""
     return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
-                           v_perm=v_perm and tr and ph == "quant")
+                           v_perm=v_perm and tr and ph == "quant", varlen=varlen)
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, shape: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor")
         if t.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{name}: bf16 or fp16 input expected, got {t.dtype}")
-        if t.dim() != 4 or not t.is_cuda:
-            raise ValueError(f"{name}: a (B, N, H, d) CUDA tensor expected, got {tuple(t.shape)} on "
+        if t.dim() != rank or not t.is_cuda:
+            raise ValueError(f"{name}: a {shape} CUDA tensor expected, got {tuple(t.shape)} on "
                              f"{t.device}")
         if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]):
             raise ValueError(f"{name}: the head dim must be contiguous and rows 16-byte aligned")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise TypeError("q, k, v must share a dtype")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    _check_tensors(q, k, v, 4, "(B, N, H, d)")
     check_heads(q, k, v)
 
 
@@ -116,10 +141,83 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     cfgs = quant_configs(dtype, d, rotate, v_perm)
     qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
-        qk_amax(x, signs, amax[i], out)
-    v_amax(v, signs, amax[2], v_store)
+        qk_amax(x, signs, amax[i], out, None, 0)
+    v_amax(v, signs, amax[2], v_store, None, 0)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
-        qk_quant(x, signs, amax[i], out)
-    v_quant(v, signs, amax[2], v_store)
+        qk_quant(x, signs, amax[i], out, None, 0)
+    v_quant(v, signs, amax[2], v_store, None, 0)
     v8 = v_store if v_perm else v_store[..., :nk].permute(0, 3, 1, 2)
+    return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
+
+
+def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """Everything but the cu_seqlens values (reading them is a host sync: the op checks them,
+    ``fp8_ops.check_cu_data``); returns the number of sequences."""
+    _check_tensors(q, k, v, 3, "packed (T, H, d)")
+    h, d = q.shape[1], q.shape[2]
+    if k.shape != v.shape or k.shape[2] != d:
+        raise ValueError(f"k and v must be (T_k, H_kv, d) with q's d: {tuple(k.shape)}, {tuple(v.shape)}")
+    if d not in QUANT_HDIMS:
+        raise ValueError(f"quantize: head dim {d} not in {QUANT_HDIMS}")
+    if k.shape[1] == 0 or h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+    num_seqs = None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1 or not cu.is_contiguous():
+            raise ValueError(f"{name} must be contiguous 1-D of length S + 1, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
+        if num_seqs is not None and cu.shape[0] - 1 != num_seqs:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                             f"{num_seqs} and {cu.shape[0] - 1}")
+        num_seqs = cu.shape[0] - 1
+    if num_seqs > 65535:
+        raise ValueError(f"quantize: at most 65535 sequences (the grid's z extent), got {num_seqs}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+    return num_seqs
+
+
+def quantize_qkv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        rotate: bool = True, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``quantize_qkv`` on packed sequences, as ``fp8_ref.quantize_qkv_varlen_ref``: q (T_q, H, d),
+    k, v (T_k, H_kv, d); sequence s is rows cu[s]:cu[s + 1] (int32 cu_seqlens, S + 1 entries,
+    starting at 0, ending at T; ``max_seqlen_*`` at least the longest sequence -- not checked
+    here, the op does it). Returns q8 (T_q, H, d), k8 (T_k, H_kv, d) contiguous e4m3, v8 a
+    (T_k, H_kv, d) view over token-contiguous (H_kv, d, T_k_pad) storage (natural order, padding
+    zeroed), and fp32 (S, H_kv) descales, one scale per (sequence, kv head)."""
+    num_seqs = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    d = q.shape[2]
+    tk, hkv = k.shape[0], k.shape[1]
+    amax = [torch.zeros(num_seqs, hkv, device=q.device, dtype=torch.float32) for _ in range(3)]
+    signs = _signs(d, seed, q.device)
+    f8 = torch.float8_e4m3fn
+    q8 = torch.empty(q.shape, device=q.device, dtype=f8)
+    k8 = torch.empty(k.shape, device=q.device, dtype=f8)
+    # Not zeroed: every byte, the padding tokens T_k .. T_k_pad - 1 included, is written by the
+    # kernel (the CTA holding the last token writes the padding).
+    v_store = torch.empty(hkv, d, (tk + 15) // 16 * 16, device=q.device, dtype=f8)
+    cfgs = quant_configs(dtype, d, rotate, varlen=True)
+    qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
+    q_args = (q, q8, amax[0], cu_seqlens_q, max_seqlen_q)
+    k_args = (k, k8, amax[1], cu_seqlens_k, max_seqlen_k)
+    v_args = (v, v_store, amax[2], cu_seqlens_k, max_seqlen_k)
+    runs = ((qk_amax, q_args), (qk_amax, k_args), (v_amax, v_args),
+            (qk_quant, q_args), (qk_quant, k_args), (v_quant, v_args))
+    for fn, (x, out, a, cu, max_seqlen) in runs:
+        # A grid with no CTAs is no launch: with no (non-empty) sequence, nothing runs and the
+        # descales stay 0.
+        if num_seqs and max_seqlen:
+            fn(x, signs, a, out, cu, max_seqlen)
+    v8 = v_store[..., :tk].permute(2, 0, 1)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)

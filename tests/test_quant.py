@@ -1,6 +1,7 @@
 """The quantize-and-rotate kernels (issue 5) compile for sm_90a with the instructions their design
 names -- butterfly shuffles for the cross-lane Walsh-Hadamard stages, saturating e4m3 converts,
-one atomic max per warp -- and no local memory; on a GPU they match ``fp8_ref.quantize_qkv_ref``."""
+one atomic max per warp -- and no local memory, dense and packed (varlen); on a GPU they match
+``fp8_ref.quantize_qkv_ref`` / ``quantize_qkv_varlen_ref``."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ VARIANTS = [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=T
 VARIANTS += quant_configs("fp16", 128, rotate=False)
 VARIANTS += [c for d in (64, 128, 256)
              for c in quant_configs("bf16", d, rotate=True, v_perm=True) if c.v_perm]
+VARIANTS += [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=True, varlen=True)]
+VARIANTS += quant_configs("fp16", 128, rotate=False, varlen=True)
 VARIANTS = [QuantizeConfig(**{**c.__dict__, "target": "sm_90a"}) for c in VARIANTS]
 
 
 def _id(c: QuantizeConfig) -> str:
     v = "v-kernel-order" if c.v_perm else "v"
-    return f"{c.dtype}-d{c.hdim}-{c.phase}-" + (v if c.transpose else "qk-rot" if c.rotate else "qk")
+    packed = "-varlen" if c.varlen else ""
+    return f"{c.dtype}-d{c.hdim}-{c.phase}-" + (v if c.transpose else "qk-rot" if c.rotate else "qk") + packed
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -44,6 +48,10 @@ def test_quantize_kernels_compile_with_shuffles_converts_and_no_local_memory(cfg
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.transpose and cfg.phase == "quant":
         assert _count(ptx, r"st\.global\.v4\.(b|u)32") >= 1, "16-token stores of V^T"
+    if cfg.varlen and cfg.transpose and cfg.phase == "quant":
+        # A 16-token chunk shared with another CTA (another sequence's scale) goes out byte by
+        # byte, this CTA's tokens only.
+        assert _count(ptx, r"st\.global\.(b|u)8") == 16, "predicated byte stores of shared chunks"
 
 
 def test_quantize_config_rejects_what_the_kernel_cannot_do() -> None:
@@ -55,12 +63,30 @@ def test_quantize_config_rejects_what_the_kernel_cannot_do() -> None:
         QuantizeConfig(target="sm_90a", phase="both")
     with pytest.raises(ValueError):
         QuantizeConfig(target="sm_90a", rotate=True, v_perm=True)
+    with pytest.raises(ValueError, match="varlen"):
+        QuantizeConfig(target="sm_90a", rotate=False, transpose=True, v_perm=True, varlen=True)
 
 
 def _hopper() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _quant_close(got, ref) -> None:
+    """Kernel vs reference outputs: descales equal to fp32 rounding; e4m3 values nearly all equal,
+    the others one e4m3 step (2^-3 relative) apart, never more -- the kernel's fp32 butterflies
+    and its IEEE 448 / amax (torch's is 1 / amax * 448) may round differently from the
+    reference's. A NaN (an e4m3 byte never written) fails the ``<=``."""
+    import torch
+
+    for name, g, r in zip(("q_descale", "k_descale", "v_descale"), got[3:], ref[3:], strict=True):
+        assert g.shape == r.shape and torch.allclose(g, r, rtol=1e-5), name
+    for name, g, r in zip("qkv", got[:3], ref[:3], strict=True):
+        assert g.shape == r.shape and g.dtype == torch.float8_e4m3fn, name
+        gf, rf = g.float(), r.float()
+        assert ((gf - rf).abs() <= rf.abs() * 2.0**-3 + 2.0**-9).all(), name
+        assert (gf == rf).float().mean() > 0.95, name
 
 
 @pytest.mark.gpu
@@ -78,17 +104,132 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
     _, k, v = outlier_qkv(2, n, hkv, d, seed=6, device="cuda", dtype=torch.bfloat16)
     got = quantize_qkv(q, k, v, rotate=True, seed=7, v_perm=v_perm)
     ref = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=7, v_perm=v_perm)
-    for name, g, r in zip(("q_descale", "k_descale", "v_descale"), got[3:], ref[3:], strict=True):
-        assert torch.allclose(g, r, rtol=1e-5), name
-    for name, g, r in zip("qkv", got[:3], ref[:3], strict=True):
-        assert g.shape == r.shape and g.dtype == torch.float8_e4m3fn, name
-        # The fp32 butterflies may round differently from the reference's: at most one e4m3 step
-        # (2^-3 relative) apart, never more.
-        gf, rf = g.float(), r.float()
-        assert ((gf - rf).abs() <= rf.abs() * 2.0**-3 + 2.0**-9).all(), name
-        assert (gf == rf).float().mean() > 0.95, name
+    _quant_close(got, ref)
     # V: sequence-contiguous; in the kernel order, the whole (B, H_kv, d, N_pad) storage.
     assert got[2].stride(-1 if v_perm else 1) == 1
+
+
+def _bytes(t):
+    import torch
+
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _packed(lens: list[int], h: int, d: int, seed: int):
+    """(x (T, h, d) outlier values, cu_seqlens int32) for sequences of the given lengths."""
+    import torch
+
+    from cute_flash.fp8_ref import outlier_qkv
+
+    x, _, _ = outlier_qkv(1, max(sum(lens), 1), h, d, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return x[0, :sum(lens)], cu
+
+
+def test_varlen_reference_with_one_sequence_is_the_dense_reference() -> None:
+    import torch
+
+    from cute_flash.fp8_ref import quantize_qkv_ref, quantize_qkv_varlen_ref
+
+    q, cu_q = _packed([77], 4, 64, seed=1)
+    k, cu_k = _packed([45], 2, 64, seed=2)
+    v, _ = _packed([45], 2, 64, seed=3)
+    got = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k, rotate_qk=True, seed=4)
+    ref = quantize_qkv_ref(q[None], k[None], v[None], rotate_qk=True, seed=4)
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(_bytes(g), _bytes(r[0] if g.dim() == 3 else r))
+    # The same token-contiguous V layout, batch dim dropped: (T, H_kv, d) over (H_kv, d, T_pad).
+    assert got[2].stride() == ref[2].stride()[1:] == (1, 64 * 48, 48)
+
+
+def test_varlen_reference_scales_each_sequence_on_its_own() -> None:
+    """Per sequence, the dense reference on that sequence alone: its own per-kv-head scales, V in
+    the packed token-contiguous storage with zero padding; an empty sequence has descale 0."""
+    import torch
+
+    from cute_flash.fp8_ref import E4M3_MAX, quantize_qkv_ref, quantize_qkv_varlen_ref, rotate
+
+    lens_q, lens_k = [50, 3, 0, 129], [77, 1, 300, 45]
+    q, cu_q = _packed(lens_q, 4, 64, seed=1)
+    k, cu_k = _packed(lens_k, 2, 64, seed=2)
+    v, _ = _packed(lens_k, 2, 64, seed=3)
+    q8, k8, v8, *ds = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k, rotate_qk=True, seed=4)
+    tk = sum(lens_k)
+    assert q8.shape == q.shape and k8.shape == v8.shape == k.shape and q8.is_contiguous()
+    assert v8.stride() == (1, 64 * 432, 432)
+    assert all(x.shape == (4, 2) for x in ds)
+    store = torch.as_strided(_bytes(v8), (2, 64, 432), (64 * 432, 432, 1))
+    assert (store[..., tk:] == 0).all(), "V padding"
+    assert (ds[0][2] == 0).all(), "empty sequence"
+    for s in range(4):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2].tolist(), cu_k[s:s + 2].tolist()
+        if q1 > q0:
+            ref = quantize_qkv_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], rotate_qk=True, seed=4)
+            assert torch.equal(_bytes(q8[q0:q1]), _bytes(ref[0][0]))
+            assert all(torch.equal(x[s], r[0]) for x, r in zip(ds, ref[3:], strict=True))
+        ref = quantize_qkv_ref(k[None, k0:k1], k[None, k0:k1], v[None, k0:k1], rotate_qk=True, seed=4)
+        assert torch.equal(_bytes(k8[k0:k1]), _bytes(ref[1][0]))
+        assert torch.equal(_bytes(v8[k0:k1]), _bytes(ref[2][0]))
+        # Not only the dense reference's word for it: x8 * descale is x M (V: x) to e4m3 precision.
+        kr = rotate(k[k0:k1].float(), seed=4)
+        assert torch.allclose(k8[k0:k1].float() * ds[1][s, None, :, None], kr,
+                              rtol=2.0**-3, atol=ds[1][s].max().item() * E4M3_MAX * 2.0**-9)
+
+
+def test_quantize_qkv_varlen_rejects_bad_inputs_before_any_launch() -> None:
+    import torch
+
+    from cute_flash.quant import quantize_qkv_varlen
+
+    x = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        quantize_qkv_varlen(x.float(), x, x, cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="packed"):
+        quantize_qkv_varlen(x[None], x, x, cu, cu, 10, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
+@pytest.mark.parametrize("lens_q,lens_k", [([77, 1, 300, 45], [77, 1, 300, 45]),
+                                           ([50, 0, 129, 3], [77, 1, 300, 0]),
+                                           ([1000], [17])],
+                         ids=["uneven", "empty-sequences", "one-sequence"])
+@pytest.mark.parametrize("d,h,hkv", [(64, 4, 2), (128, 4, 1), (256, 2, 2)])
+def test_quantize_qkv_varlen_matches_the_reference_within_one_e4m3_step(d: int, h: int, hkv: int,
+                                                                        lens_q: list[int],
+                                                                        lens_k: list[int],
+                                                                        monkeypatch) -> None:
+    """Sequence lengths off the 16-token chunks: V chunks straddle sequences (two CTAs, two
+    scales, byte stores) and the padding past T_k is the last token's CTA's to zero."""
+    import torch
+
+    from cute_flash.fp8_ref import quantize_qkv_varlen_ref
+    from cute_flash.quant import quantize_qkv_varlen
+
+    q, cu_q = _packed(lens_q, h, d, seed=5)
+    k, cu_k = _packed(lens_k, hkv, d, seed=6)
+    v, _ = _packed(lens_k, hkv, d, seed=7)
+    q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    tk, tk_pad = sum(lens_k), (sum(lens_k) + 15) // 16 * 16
+    # Every e4m3 buffer starts as NaN bytes (0x7F): a byte the kernels leave unwritten, the V
+    # padding included, fails the comparisons below.
+    empty = torch.empty
+
+    def nan_filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.view(torch.uint8).fill_(0x7F).view(t.dtype) if t.dtype == torch.float8_e4m3fn else t
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    got = quantize_qkv_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), rotate=True, seed=8)
+    monkeypatch.undo()
+    ref = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k, rotate_qk=True, seed=8)
+    _quant_close(got, ref)
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+    assert got[2].stride() == (1, d * tk_pad, tk_pad)
+    store = torch.as_strided(_bytes(got[2]), (hkv, d, tk_pad), (d * tk_pad, tk_pad, 1))
+    assert (store[..., tk:] == 0).all(), "V padding"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

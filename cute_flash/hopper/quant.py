@@ -12,6 +12,10 @@ E - 1 (E = d / 32): a row is one coalesced load, and the fast Walsh-Hadamard tra
 sqrt(d) runs its strides below E inside the thread and its strides E .. d / 2 across lanes (one
 butterfly shuffle per element and stride). Each CTA owns ``rows`` tokens of one head, so the
 amax phase issues one atomic per warp.
+
+Varlen (``cfg.varlen``): x is packed (T, H, d) with int32 ``cu_seqlens`` (S + 1,), the grid is
+(ceil(max_seqlen / rows), H, S) and a CTA owns rows [cu[s] + n_block * rows, ...) of sequence s,
+clipped to cu[s + 1]; scales are per (sequence, kv head), V goes to (H_kv, d, T_pad) storage.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_flash.ampere import common
 from cute_flash.fp8_ref import E4M3_MAX, V_PERM16
+from cute_flash.kernels.seqlen import SeqlenInfo
 
 NUM_WARPS = 4
 
@@ -37,47 +42,73 @@ class QuantizeSm90:
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim, self.rows = cfg.hdim, cfg.rows
         self.rotate, self.transpose, self.phase = cfg.rotate, cfg.transpose, cfg.phase
-        self.v_perm = cfg.v_perm
+        self.v_perm, self.varlen = cfg.v_perm, cfg.varlen
         self.per_lane = self.hdim // 32
         assert self.rows % (NUM_WARPS * 16) == 0
+        # Packed V: a CTA's tokens start anywhere, not on a 16-token chunk, so its smem tile spans
+        # the 16-aligned chunks around them -- one chunk more than its rows.
+        self.tile_rows = self.rows + 16 if self.varlen else self.rows
 
     def smem_layout(self):
-        return cute.make_layout((self.rows, self.hdim), stride=(1, self.rows + 4))
+        return cute.make_layout((self.tile_rows, self.hdim), stride=(1, self.tile_rows + 4))
 
     def smem_bytes(self) -> int:
         return cute.cosize(self.smem_layout()) + 16 if self.transpose and self.phase == "quant" else 0
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mSigns: cute.Tensor, mAmax: cute.Tensor, mOut: cute.Tensor,
-                 stream):
+                 mCuSeqlens: cute.Tensor | None, max_seqlen: Int32, stream):
         """mX (B, N, H, d); mSigns (d,) fp32 (+-1); mAmax (B, H_kv) fp32; mOut e4m3: (B, N, H, d),
-        or (B, H_kv, d, N_pad) storage when ``transpose`` (unused in the amax phase)."""
-        mX = common.to_seq_dim_head(mX)  # (N, d, H, B)
+        or (B, H_kv, d, N_pad) storage when ``transpose`` (unused in the amax phase). Varlen: mX and
+        mOut (T, H, d), V storage (H_kv, d, T_pad), mAmax (S, H_kv), mCuSeqlens int32 (S + 1,) and
+        ``max_seqlen`` (at least the longest sequence) sizes the grid; dense: None and unused."""
+        mX = common.to_seq_dim_head(mX)  # (N, d, H, B); packed (T, d, H)
         if cutlass.const_expr(self.transpose):
             # (B, H, d, N_pad) -> (N_pad, d, H, B): element (n, c, h, b) at the same place.
-            mOut = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[3, 2, 1, 0]))
+            modes = [2, 1, 0] if cutlass.const_expr(self.varlen) else [3, 2, 1, 0]
+            mOut = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=modes))
         else:
             mOut = common.to_seq_dim_head(mOut)
-        grid = (cute.ceil_div(mX.shape[0], self.rows), mX.shape[2], mX.shape[3])
-        self.kernel(mX, mSigns, mAmax, mOut).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                                    smem=self.smem_bytes(), stream=stream)
+        if cutlass.const_expr(self.varlen):
+            grid = (cute.ceil_div(max_seqlen, self.rows), mX.shape[2], mCuSeqlens.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(mX.shape[0], self.rows), mX.shape[2], mX.shape[3])
+        self.kernel(mX, mSigns, mAmax, mOut, mCuSeqlens).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=self.smem_bytes(), stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mSigns: cute.Tensor, mAmax: cute.Tensor, mOut: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mSigns: cute.Tensor, mAmax: cute.Tensor, mOut: cute.Tensor,
+               mCuSeqlens: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head, batch = cute.arch.block_idx()  # batch: the sequence, when varlen
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
         # GQA: the scale of query head h is its kv head's, h // (H / H_kv).
         head_kv = head // (mX.shape[2] // mAmax.shape[1])
         amax_ptr = mAmax.iterator + cute.crd2idx((batch, head_kv), mAmax.layout)
         signs = self.lane_signs(mSigns, lane)
-        if cutlass.const_expr(self.phase == "amax"):
-            self.amax_rows(mX, signs, amax_ptr, n_block, head, batch, warp, lane)
-        elif cutlass.const_expr(self.transpose):
-            self.quant_rows_transposed(mX, mOut, amax_ptr, n_block, head, batch, tidx)
+        if cutlass.const_expr(self.varlen):
+            seq = SeqlenInfo(batch, mX.shape[0], mX.shape[0], mCuSeqlens)
+            at = (head, batch, seq.offset_q)
+            # The grid is sized by the longest sequence: shorter ones leave CTAs with no rows.
+            if n_block * self.rows < seq.seqlen_q:
+                self.run_phase(mX, mOut, signs, amax_ptr, at, seq.seqlen_q, n_block, tidx, warp, lane)
         else:
-            self.quant_rows(mX, signs, mOut, amax_ptr, n_block, head, batch, warp, lane)
+            at = (head, batch, None)
+            self.run_phase(mX, mOut, signs, amax_ptr, at, mX.shape[0], n_block, tidx, warp, lane)
+
+    @cute.jit
+    def run_phase(self, mX: cute.Tensor, mOut: cute.Tensor, signs, amax_ptr, at: tuple, seqlen: Int32,
+                  n_block: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """``at``: (head, batch, offset) -- where this CTA's sequence lies (``row``)."""
+        if cutlass.const_expr(self.phase == "amax"):
+            self.amax_rows(mX, signs, amax_ptr, at, seqlen, n_block, warp, lane)
+        elif cutlass.const_expr(self.transpose and self.varlen):
+            self.quant_rows_transposed_packed(mX, mOut, amax_ptr, at, seqlen, n_block, tidx)
+        elif cutlass.const_expr(self.transpose):
+            self.quant_rows_transposed(mX, mOut, amax_ptr, at, seqlen, n_block, tidx)
+        else:
+            self.quant_rows(mX, signs, mOut, amax_ptr, at, seqlen, n_block, warp, lane)
 
     # ------------------------------------------------------------------------------------------
     # One row: load, rotate
@@ -90,11 +121,19 @@ class QuantizeSm90:
         return s
 
     @cute.jit
-    def load_row(self, mX: cute.Tensor, n: Int32, head: Int32, batch: Int32, lane: Int32, signs):
-        """This lane's E elements of row (n, head) in fp32, times D (rotation) -- then
-        ``fwht``."""
+    def row(self, mT: cute.Tensor, n: Int32, at: tuple) -> cute.Tensor:
+        """Token n of this CTA's sequence and head: of (N, d, H, B), or of packed (T, d, H) at
+        the sequence's offset."""
+        head, batch, offset = at
+        if cutlass.const_expr(self.varlen):
+            return mT[offset + n, None, head]
+        return mT[n, None, head, batch]
+
+    @cute.jit
+    def load_row(self, mX: cute.Tensor, n: Int32, at: tuple, lane: Int32, signs):
+        """This lane's E elements of row n in fp32, times D (rotation) -- then ``fwht``."""
         raw = cute.make_rmem_tensor(self.per_lane, self.dtype)
-        cute.autovec_copy(cute.local_tile(mX[n, None, head, batch], (self.per_lane,), (lane,)), raw)
+        cute.autovec_copy(cute.local_tile(self.row(mX, n, at), (self.per_lane,), (lane,)), raw)
         y = cute.make_rmem_tensor(self.per_lane, Float32)
         for j in cutlass.range_constexpr(self.per_lane):
             y[j] = raw[j].to(Float32)
@@ -131,14 +170,13 @@ class QuantizeSm90:
     # Phases
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def amax_rows(self, mX, signs, amax_ptr, n_block: Int32, head: Int32, batch: Int32, warp: Int32,
+    def amax_rows(self, mX, signs, amax_ptr, at: tuple, seqlen: Int32, n_block: Int32, warp: Int32,
                   lane: Int32):
-        seqlen = mX.shape[0]
         m = Float32(0.0)
         for r in cutlass.range(self.rows // NUM_WARPS, unroll=1):
             n = n_block * self.rows + r * NUM_WARPS + warp
             if n < seqlen:
-                y = self.load_row(mX, n, head, batch, lane, signs)
+                y = self.load_row(mX, n, at, lane, signs)
                 for j in cutlass.range_constexpr(self.per_lane):
                     m = cute.arch.fmax(m, cute.arch.fmax(y[j], -y[j]))
         m = cute.arch.warp_reduction_max(m)
@@ -151,44 +189,51 @@ class QuantizeSm90:
         return Float32(E4M3_MAX) / cute.arch.fmax(amax, Float32(1e-30))
 
     @cute.jit
-    def quant_rows(self, mX, signs, mOut, amax_ptr, n_block: Int32, head: Int32, batch: Int32,
+    def quant_rows(self, mX, signs, mOut, amax_ptr, at: tuple, seqlen: Int32, n_block: Int32,
                    warp: Int32, lane: Int32):
-        seqlen = mX.shape[0]
         scale = self.scale_of(amax_ptr)
         for r in cutlass.range(self.rows // NUM_WARPS, unroll=1):
             n = n_block * self.rows + r * NUM_WARPS + warp
             if n < seqlen:
-                y = self.load_row(mX, n, head, batch, lane, signs)
+                y = self.load_row(mX, n, at, lane, signs)
                 q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
                 q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))  # cvt.rn.satfinite.e4m3x2
-                cute.autovec_copy(q8, cute.local_tile(mOut[n, None, head, batch], (self.per_lane,), (lane,)))
+                cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (lane,)))
 
     @cute.jit
-    def quant_rows_transposed(self, mX, mOut, amax_ptr, n_block: Int32, head: Int32, batch: Int32,
+    def stage_row(self, mX, n: Int32, valid, at: tuple, sT, row: Int32, scale: Float32, lane: Int32):
+        """Row n quantized into smem row ``row`` -- zeros unless ``valid``."""
+        y = cute.make_rmem_tensor(self.per_lane, Float32)
+        y.fill(0.0)
+        if valid:
+            raw = cute.make_rmem_tensor(self.per_lane, self.dtype)
+            cute.autovec_copy(cute.local_tile(self.row(mX, n, at), (self.per_lane,), (lane,)), raw)
+            for j in cutlass.range_constexpr(self.per_lane):
+                y[j] = raw[j].to(Float32)
+        q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
+        q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(q8, cute.local_tile(sT[row, None], (self.per_lane,), (lane,)))
+
+    def v_tile(self):
+        # Token-contiguous columns (the 16-token reads below), padded by 4 bytes so the 32 lanes
+        # writing one row (lane l at column l * E) fall in different banks.
+        return SmemAllocator().allocate_tensor(cutlass.Float8E4M3FN, self.smem_layout(), 16)
+
+    @cute.jit
+    def quant_rows_transposed(self, mX, mOut, amax_ptr, at: tuple, seqlen: Int32, n_block: Int32,
                               tidx: Int32):
         """V: rows quantized into a (rows x d) smem tile, then written out column by column --
         16 consecutive tokens (16 bytes) per store -- into the (d, N_pad) storage of this head.
         Tokens past N are zeros, so the padding up to N_pad holds no garbage."""
-        seqlen = mX.shape[0]
+        head, batch, _ = at
         scale = self.scale_of(amax_ptr)
-        # Token-contiguous columns (the 16-token reads below), padded by 4 bytes so the 32 lanes
-        # writing one row (lane l at column l * E) fall in different banks.
-        sT = SmemAllocator().allocate_tensor(cutlass.Float8E4M3FN, self.smem_layout(), 16)
+        sT = self.v_tile()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
         for r in cutlass.range(self.rows // NUM_WARPS, unroll=1):
             row = r * NUM_WARPS + warp
             n = n_block * self.rows + row
-            y = cute.make_rmem_tensor(self.per_lane, Float32)
-            y.fill(0.0)
-            if n < seqlen:
-                raw = cute.make_rmem_tensor(self.per_lane, self.dtype)
-                cute.autovec_copy(cute.local_tile(mX[n, None, head, batch], (self.per_lane,), (lane,)), raw)
-                for j in cutlass.range_constexpr(self.per_lane):
-                    y[j] = raw[j].to(Float32)
-            q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
-            q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))
-            cute.autovec_copy(q8, cute.local_tile(sT[row, None], (self.per_lane,), (lane,)))
+            self.stage_row(mX, n, n < seqlen, at, sT, row, scale, lane)
         cute.arch.barrier()
         n_pad = mOut.shape[0]
         chunks = self.rows // 16
@@ -203,3 +248,47 @@ class QuantizeSm90:
                     src = V_PERM16[j] if cutlass.const_expr(self.v_perm) else j
                     vals[j] = sT[chunk * 16 + src, col]
                 cute.autovec_copy(vals, cute.local_tile(mOut[None, col, head, batch], (16,), (n0 // 16,)))
+
+    @cute.jit
+    def quant_rows_transposed_packed(self, mX, mOut, amax_ptr, at: tuple, seqlen: Int32,
+                                     n_block: Int32, tidx: Int32):
+        """Packed V into mOut (T_pad, d, H_kv), natural token order. This CTA owns the tokens
+        [lo, hi) of the pack; its smem tile holds the 16-aligned chunks around them (row i =
+        token base + i, zeros outside [lo, hi)). Sequences start anywhere, so a chunk may be
+        shared with a neighbouring CTA -- of this sequence, or of the next with another scale:
+        only a chunk wholly this CTA's goes out as one 16-byte store, any other byte by byte,
+        this CTA's tokens only, so no two CTAs ever write the same byte."""
+        head, _, offset = at
+        scale = self.scale_of(amax_ptr)
+        sT = self.v_tile()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = cute.arch.lane_idx()
+        lo = offset + n_block * self.rows
+        hi = offset + cutlass.min(n_block * self.rows + self.rows, seqlen)
+        base = lo // 16 * 16
+        for r in cutlass.range(self.tile_rows // NUM_WARPS, unroll=1):
+            row = r * NUM_WARPS + warp
+            t = base + row
+            self.stage_row(mX, t - offset, t >= lo and t < hi, at, sT, row, scale, lane)
+        cute.arch.barrier()
+        # The padding T .. T_pad - 1 (zeros) is written by the CTA holding token T - 1 rather
+        # than filled by the launcher: no extra launch for a strided sliver, and the last chunk
+        # stays one 16-byte store. One CTA per head holds it (the CTAs' ranges are disjoint);
+        # T = cu[S], which the op checks (``fp8_ops.check_cu_data``) before any launch.
+        end = cutlass.select_(hi == mX.shape[0], mOut.shape[0], hi)
+        chunks = self.tile_rows // 16
+        items = self.hdim * chunks
+        for i in cutlass.range((items + self.num_threads - 1) // self.num_threads, unroll=1):
+            item = i * self.num_threads + tidx
+            col, chunk = item // chunks, item % chunks
+            t0 = base + chunk * 16
+            if item < items and t0 < end and t0 + 16 > lo:
+                if t0 >= lo and t0 + 16 <= end:
+                    vals = cute.make_rmem_tensor(16, cutlass.Float8E4M3FN)
+                    for j in cutlass.range_constexpr(16):
+                        vals[j] = sT[chunk * 16 + j, col]
+                    cute.autovec_copy(vals, cute.local_tile(mOut[None, col, head], (16,), (t0 // 16,)))
+                else:
+                    for j in cutlass.range_constexpr(16):
+                        if t0 + j >= lo and t0 + j < end:
+                            mOut[t0 + j, col, head] = sT[chunk * 16 + j, col]
