@@ -235,13 +235,13 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
         # No keys in any sequence: the kernel's TMA needs a non-empty tensor; attention over
         # nothing is 0 with LSE -inf.
         return out.zero_(), lse.fill_(float("-inf"))
-    # P V reads V with the tokens contiguous (K-major B operand): a caller's V is re-laid out (the
-    # natural token order: packed sequences do not start on multiples of 16, which the kernel
-    # order permutes within).
-    run_fwd_fp8(q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous_varlen(v8), q_descale, k_descale,
-                v_descale, out, lse, softmax_scale=softmax_scale, causal=causal,
-                window_size=(window_left, window_right), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q)
+    # P V reads V with the tokens contiguous (K-major B operand), each sequence's from a 16-aligned
+    # start (TMA): one byte copy of V into that layout (natural token order).
+    v_store, cu_v = fp8_ref.v_varlen_aligned(v8, cu_seqlens_k)
+    run_fwd_fp8(q8.contiguous(), k8.contiguous(), v_store, q_descale, k_descale, v_descale, out, lse,
+                softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                cu_seqlens_v=cu_v)
     return out, lse
 
 

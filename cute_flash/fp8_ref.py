@@ -220,6 +220,26 @@ def token_contiguous_varlen(v8: torch.Tensor) -> torch.Tensor:
     return store.view(v8.dtype)[..., :t].permute(2, 0, 1)
 
 
+def v_varlen_aligned(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed v8 (T, H_kv, d) -> (its copy as a (T_v, H_kv, d) view over token-contiguous
+    (H_kv, d, T_v) storage, cu_seqlens_v int32 (S + 1,)): sequence s starts at cu_seqlens_v[s], a
+    multiple of 16, because the varlen FP8 kernel's TMA boxes over V must start 16-byte aligned in
+    the contiguous (token) dim. Gaps are zeros; device ops only (no host sync: T_v is a bound)."""
+    t, hkv, d = v8.shape
+    cu_k = cu_seqlens_k.long()
+    num_seqs = cu_k.shape[0] - 1
+    lens = cu_k[1:] - cu_k[:-1]
+    cu_v = torch.zeros(num_seqs + 1, dtype=torch.long, device=v8.device)
+    cu_v[1:] = torch.cumsum((lens + 15) // 16 * 16, 0)
+    t_v = (t + 15) // 16 * 16 + 16 * num_seqs
+    tok = torch.arange(t, device=v8.device)
+    seq = torch.searchsorted(cu_k[1:], tok, right=True)
+    pos = tok - cu_k[seq] + cu_v[seq]
+    store = torch.zeros(hkv, d, t_v, dtype=torch.uint8, device=v8.device)
+    store.index_copy_(2, pos, _bytes(v8).permute(1, 2, 0))
+    return store.view(v8.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
+
+
 def attention_fp8_varlen_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
                              v_descale: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

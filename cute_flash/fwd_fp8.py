@@ -116,16 +116,18 @@ class FwdSm90Fp8Config(FwdSm90Config):
                    cutlass.Int32(0))
         counter = jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0)
         descales = [jit.fake_tensor(cutlass.Float32, (b, hkv)) for _ in range(3)]
-        return (q, k, v, o, lse, None, None, *scalars, counter, *descales, jit.fake_stream())
+        return (q, k, v, o, lse, None, None, *scalars, counter, *descales, None, jit.fake_stream())
 
     def _fake_args_varlen(self, f8, out) -> tuple:
-        """Packed sequences: Q, O (T_q, H, d), K (T_k, H_kv, d), V (T_k, H_kv, d) over
-        token-contiguous storage, LSE (H, T_q), cu_seqlens (S + 1,), descales (S, H_kv)."""
+        """Packed sequences: Q, O (T_q, H, d), K (T_k, H_kv, d), V (T_v, H_kv, d) over
+        token-contiguous storage with V's offsets cu_seqlens_v, LSE (H, T_q), cu_seqlens (S + 1,),
+        descales (S, H_kv)."""
         tq, tk, h, hkv, s1, s = (jit.sym() for _ in range(6))
         d = self.hdim
         q = jit.fake_tensor(f8, (tq, h, d), divisibility=16)
         k = jit.fake_tensor(f8, (tk, hkv, d), divisibility=16)
-        v = jit.fake_tensor(f8, (tk, hkv, d), leading_dim=0, divisibility=16)
+        # V over its own (H_kv, d, T_v) storage, every sequence starting at a multiple of 16.
+        v = jit.fake_tensor(f8, (jit.sym(), hkv, d), leading_dim=0, divisibility=16)
         o = jit.fake_tensor(out, (tq, h, d), divisibility=jit.vec_div(out))
         lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
         cu_q = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
@@ -134,7 +136,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
                    cutlass.Int32(0))
         counter = jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0)
         descales = [jit.fake_tensor(cutlass.Float32, (s, hkv)) for _ in range(3)]
-        return (q, k, v, o, lse, cu_q, cu_k, *scalars, counter, *descales, jit.fake_stream())
+        cu_v = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
+        return (q, k, v, o, lse, cu_q, cu_k, *scalars, counter, *descales, cu_v, jit.fake_stream())
 
 
 def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int, hdim: int = 128,
@@ -160,15 +163,16 @@ assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256
 
 def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
                 causal: bool = False, window_size: tuple[int, int] = (-1, -1), v_perm: bool = False,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, cu_seqlens_v=None,
                 **overrides) -> None:
     """Launch the FP8 forward on validated CUDA tensors. Dense: e4m3 ``q8`` / ``k8`` (B, N, H, d)
     and ``v8`` as ``quant.quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous
     storage, or with ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order;
     ``out`` (B, N, H, d) bf16 / fp16, ``lse`` (B, H, N) fp32, descales (B, H_kv). Varlen
-    (``cu_seqlens_q`` / ``_k`` int32 (S + 1,)): q8 (T_q, H, d), k8 (T_k, H_kv, d), v8 (T_k, H_kv, d)
-    over token-contiguous (H_kv, d, T_pad) storage, out (T_q, H, d), lse (H, T_q), descales
-    (S, H_kv). ``overrides``: config fields (tile sizes, switches) for tuning."""
+    (``cu_seqlens_q`` / ``_k`` int32 (S + 1,)): q8 (T_q, H, d), k8 (T_k, H_kv, d), v8 and
+    ``cu_seqlens_v`` as ``fp8_ref.v_varlen_aligned`` makes them (each sequence's V starting at a
+    multiple of 16 tokens), out (T_q, H, d), lse (H, T_q), descales (S, H_kv). ``overrides``:
+    config fields (tile sizes, switches) for tuning."""
     import torch
 
     from cute_flash.fwd import normalize_window
@@ -176,6 +180,8 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
         raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
     varlen = cu_seqlens_q is not None
+    if varlen and (cu_seqlens_v is None or cu_seqlens_v.shape != cu_seqlens_k.shape):
+        raise ValueError("FP8 forward: varlen needs V's own 16-aligned offsets (fp8_ref.v_varlen_aligned)")
     if v_perm:
         b, nk, hkv, d = k8.shape
         if varlen or tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
@@ -208,4 +214,4 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     # The tile counter: zeroed per launch for a dynamic persistent grid, else a cached placeholder.
     (counter,) = cfg.launch_args(q8.device)
     fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,
-       counter, q_descale, k_descale, v_descale)
+       counter, q_descale, k_descale, v_descale, cu_seqlens_v if varlen else None)

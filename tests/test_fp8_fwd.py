@@ -303,14 +303,15 @@ def test_callers_dense_e4m3_v_is_relaid_into_the_kernel_order_and_matches_the_re
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("d,causal,hkv", [(64, True, 2), (128, False, 4), (128, True, 1), (256, False, 2)])
 def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv: int) -> None:
-    """Packed sequences of unequal lengths that are not multiples of 16 (V boxes start mid-16 and
-    run into the next sequence's keys), an empty query sequence, more queries than keys (causal
-    rows with no key: 0 and LSE -inf), per-(sequence, kv head) descales; NaN-poisoned outputs."""
+    """Packed sequences of unequal lengths that are not multiples of 16 (V re-laid so each starts
+    16-aligned; boxes run into the next sequence's keys), an empty query sequence, more queries
+    than keys (causal rows with no key: 0 and LSE -inf), per-(sequence, kv head) descales;
+    NaN-poisoned outputs."""
     import math
 
     import torch
 
-    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_ref, token_contiguous_varlen
+    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_ref, v_varlen_aligned
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
     torch.manual_seed(11)
@@ -328,8 +329,9 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     out = torch.full((q8.shape[0], h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((h, q8.shape[0]), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
-    run_fwd_fp8(q8, k8, token_contiguous_varlen(v8), qd, kd, vd, out, lse, softmax_scale=scale, causal=causal,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
+    v_store, cu_v = v_varlen_aligned(v8, cu_k)
+    run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
     torch.cuda.synchronize()
     ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
                                             causal=causal)

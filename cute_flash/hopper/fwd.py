@@ -199,6 +199,9 @@ class FlashFwdSm90:
     def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
         """Per-tile score scale (the FP8 descales); nothing for 16-bit inputs."""
 
+    def tile_offsets(self, seqlen: SeqlenInfo, extra: tuple, batch) -> None:
+        """More per-sequence offsets a subclass reads from ``extra`` (FP8 varlen: V's); none here."""
+
     def output_scale(self, ctx, row_scale):
         """O's final per-row factor (1 / row sum; times V's descale for FP8)."""
         return row_scale
@@ -316,7 +319,7 @@ class FlashFwdSm90:
         pipes = common.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
         geo = common.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                          window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
-                         next_tile=storage.next_tile.get_tensor(cute.make_layout(2)))
+                         next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -381,6 +384,7 @@ class FlashFwdSm90:
                                                   self.varlen)
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
         seqlen = SeqlenInfo(batch, seqlen_q, mK.shape[0], geo.mCuSeqlensQ, geo.mCuSeqlensK)
+        self.tile_offsets(seqlen, geo.extra, batch)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                geo.window_left, geo.window_right, pack=self.pack)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)

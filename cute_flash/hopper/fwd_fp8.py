@@ -108,10 +108,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, mTileCounter: cute.Tensor, mQdescale: cute.Tensor,
-                 mKdescale: cute.Tensor, mVdescale: cute.Tensor, stream):
-        """The bf16 forward's arguments plus the (B, H_kv) fp32 descales of Q, K and V."""
+                 mKdescale: cute.Tensor, mVdescale: cute.Tensor, mCuSeqlensV: cute.Tensor | None, stream):
+        """The bf16 forward's arguments plus the (B, H_kv) fp32 descales of Q, K and V and, for
+        packed sequences, V's own (S + 1,) token offsets (``fp8_ref.v_varlen_aligned``)."""
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
-                     window_right, max_seqlen_q, mTileCounter, (mQdescale, mKdescale, mVdescale), stream)
+                     window_right, max_seqlen_q, mTileCounter, (mQdescale, mKdescale, mVdescale, mCuSeqlensV),
+                     stream)
 
     # Operand hooks -------------------------------------------------------------------------------
     def v_source(self, mV: cute.Tensor) -> cute.Tensor:
@@ -125,9 +127,11 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     def v_blocks(self, mV: cute.Tensor, seqlen, head_kv, batch) -> cute.Tensor:
         if cutlass.const_expr(self.varlen):
-            # The sequence's keys start at its cu_seqlens offset of the packed token dim; a box
-            # running into the next sequence's keys meets P = 0 there (seqlen mask).
-            keys = cute.domain_offset((0, seqlen.offset_k), mV[None, None, head_kv])
+            # The sequence's keys start at its own offset of the packed token dim (``tile_offsets``;
+            # a multiple of 16 -- a TMA box must start 16-byte aligned in the contiguous dim, an
+            # unaligned start faults with an illegal instruction); a box running into the next
+            # sequence's keys meets P = 0 there (seqlen mask).
+            keys = cute.domain_offset((0, seqlen.offset_v), mV[None, None, head_kv])
         else:
             keys = mV[None, None, head_kv, batch]
         return cute.local_tile(keys, (self.hdim_v, self.tile_n), (0, None))
@@ -149,8 +153,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         """The exchanged registers as ((4 keys, 2 rows, 2 key halves), M, k32 blocks)."""
         return cute.make_tensor(rP.iterator, cute.make_layout(((4, 2, 2), 1, self.tile_n // 32)))
 
+    def tile_offsets(self, seqlen, extra: tuple, batch) -> None:
+        if cutlass.const_expr(self.varlen):
+            seqlen.offset_v = extra[3][batch]
+
     def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
-        mQd, mKd, mVd = extra
+        mQd, mKd, mVd, _ = extra
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         ctx.softmax.scale_log2 = ctx.scale_log2 * mQd[batch, head_kv] * mKd[batch, head_kv]
         ctx.v_descale = mVd[batch, head_kv]
