@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -174,13 +175,38 @@ def _check_cu_seqlens_meta(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
                          f"{cu_q.shape[0]} and {cu_k.shape[0]}")
 
 
+# cu_seqlens pairs already read and found valid, with their version counters (bumped by every
+# in-place write) and the extents they were checked against. A model runs every layer on the
+# same cu_seqlens: reading them once, not once per layer and op, saves a host sync per call
+# (each exposes the host's launch work as GPU idle time). Weak references, so a freed tensor --
+# whose memory a new one may reuse -- never matches.
+_CU_CHECKED: list[tuple] = []
+_CU_CHECKED_MAX = 8
+
+
+def _cu_key(cu_q: torch.Tensor, cu_k: torch.Tensor, *extents) -> tuple:
+    return (cu_q._version, cu_k._version, *extents)
+
+
+def _cu_already_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, key: tuple) -> bool:
+    return any(rq() is cu_q and rk() is cu_k and k == key for rq, rk, k in _CU_CHECKED)
+
+
+def _read_cu(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[int]:
+    # One device->host copy for both (a sync on CUDA).
+    return torch.cat([cu_q, cu_k]).tolist()
+
+
 def _check_cu_seqlens_data(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
                            max_seqlen_q: int | None, max_seqlen_k: int | None) -> None:
-    # One device->host copy for both (a sync on CUDA); skipped while a CUDA graph is captured,
-    # where reading device memory on the host is not allowed.
+    # Skipped while a CUDA graph is captured, where reading device memory on the host is not
+    # allowed.
     if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    both = torch.cat([cu_q, cu_k]).tolist()
+    key = _cu_key(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if _cu_already_checked(cu_q, cu_k, key):
+        return
+    both = _read_cu(cu_q, cu_k)
     n = cu_q.shape[0]
     for name, vals, total, max_seqlen in (("cu_seqlens_q", both[:n], total_q, max_seqlen_q),
                                           ("cu_seqlens_k", both[n:], total_k, max_seqlen_k)):
@@ -195,6 +221,8 @@ def _check_cu_seqlens_data(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int,
             side = name.removeprefix("cu_seqlens_")
             raise ValueError(f"max_seqlen_{side} ({max_seqlen}) is smaller than the longest sequence "
                              f"({max(lens)}); the kernel would skip tokens")
+    _CU_CHECKED.append((weakref.ref(cu_q), weakref.ref(cu_k), key))
+    del _CU_CHECKED[:-_CU_CHECKED_MAX]
 
 
 def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,

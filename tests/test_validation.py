@@ -266,6 +266,28 @@ def test_rejects_max_seqlen_below_the_longest_sequence():
         check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=4)
 
 
+def test_valid_cu_seqlens_are_read_once_until_written_in_place(monkeypatch):
+    """Every layer of a model passes the same cu_seqlens: after one read (a host sync on a GPU)
+    they are not read again -- unless written in place, or checked against other extents."""
+    from cute_flash import validate
+
+    reads = []
+    real = validate._read_cu
+    monkeypatch.setattr(validate, "_read_cu", lambda a, b: reads.append(1) or real(a, b))
+    q, k, v, cu_q, cu_k = varlen(lens_q=(3, 5))
+    for _ in range(3):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=8)
+    assert len(reads) == 1
+    check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=8)
+    assert len(reads) == 2
+    cu_q[1] = 6  # lengths (6, 2): the longest is now above max_seqlen_q
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=8)
+    # An equal copy is a different tensor: read.
+    check(q, k, v, cu_seqlens_q=cu_q.clone(), cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=8)
+    assert len(reads) == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # ValueError: scalars
 # ---------------------------------------------------------------------------------------------
