@@ -155,8 +155,11 @@ def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window
     b, nk, hkv, d = k8.shape
     if not v_perm and v8.stride() != fp8_ref.v_storage_strides(b, nk, hkv, d):
         # A caller's V that must be re-laid out anyway goes into the kernel's token order (same
-        # copy): P then needs no exchange between lanes. quantize_qkv's V is used as it is.
-        v8, v_perm = fp8_ref.v_kernel_order(v8), True
+        # copy, by the V quantize kernel at scale 1): P then needs no exchange between lanes.
+        # quantize_qkv's V is used as it is.
+        from cute_flash.quant import relayout_v
+
+        v8, v_perm = relayout_v(v8, v_perm=True), True
     run_fwd_fp8(q8.contiguous(), k8.contiguous(), v8, q_descale, k_descale, v_descale, out, lse,
                 softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 v_perm=v_perm)

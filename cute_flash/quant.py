@@ -43,6 +43,9 @@ class QuantizeConfig(jit.KernelConfig):
             raise ValueError("quantize: V (the transposed output) is not rotated")
         if self.v_perm and not (self.transpose and self.phase == "quant"):
             raise ValueError("quantize: v_perm orders the transposed V output")
+        relayout_only = self.transpose and self.phase == "quant" and not (self.rotate or self.varlen)
+        if self.dtype == "e4m3" and not relayout_only:
+            raise ValueError("quantize: e4m3 input only re-lays a dense V out (transpose, quant phase)")
         if self.v_perm and self.varlen:
             # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
             raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
@@ -54,7 +57,7 @@ class QuantizeConfig(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         """(x, signs, amax, out, cu_seqlens, max_seqlen, stream); dense: cu_seqlens None."""
-        dt = jit.DTYPES[self.dtype]
+        dt = cutlass.Float8E4M3FN if self.dtype == "e4m3" else jit.DTYPES[self.dtype]
         h, hkv, d = jit.sym(), jit.sym(), self.hdim
         signs = jit.fake_tensor(cutlass.Float32, (d,))
         if self.varlen:
@@ -221,3 +224,25 @@ def quantize_qkv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
             fn(x, signs, a, out, cu, max_seqlen)
     v8 = v_store[..., :tk].permute(2, 0, 1)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
+
+
+def relayout_v(v8: torch.Tensor, v_perm: bool = True) -> torch.Tensor:
+    """A caller's e4m3 V (B, N, H_kv, d) -> the (B, H_kv, d, N_pad) token-contiguous storage the
+    FP8 P V product reads (``v_perm``: in the kernel's token order, ``fp8_ref.v_kernel_order``;
+    else natural), bit for bit, padding zeros: the V quantize kernel with scale 1 (e4m3 -> fp32
+    -> e4m3 is exact), whose smem transpose writes 16 tokens per store -- a torch byte permute
+    of the same tensor runs at ~90 GB/s (one 32-byte sector per byte read)."""
+    if v8.dtype != torch.float8_e4m3fn or v8.dim() != 4 or not v8.is_cuda:
+        raise ValueError(f"relayout_v: a (B, N, H_kv, d) e4m3 CUDA tensor expected, got {v8.dtype} "
+                         f"{tuple(v8.shape)} on {v8.device}")
+    b, nk, hkv, d = v8.shape
+    if d not in QUANT_HDIMS:
+        raise ValueError(f"relayout_v: head dim {d} not in {QUANT_HDIMS}")
+    if v8.stride(-1) != 1 or any(st % 16 for st in v8.stride()[:-1]):
+        v8 = v8.contiguous()  # 16-byte rows for the kernel's vector loads
+    store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=v8.device, dtype=v8.dtype)
+    unit = torch.full((b, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+    cfg = QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
+                         v_perm=v_perm)
+    jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, None, 0)
+    return store

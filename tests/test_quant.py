@@ -23,6 +23,9 @@ VARIANTS += [c for d in (64, 128, 256)
              for c in quant_configs("bf16", d, rotate=True, v_perm=True) if c.v_perm]
 VARIANTS += [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=True, varlen=True)]
 VARIANTS += quant_configs("fp16", 128, rotate=False, varlen=True)
+# A caller's e4m3 V re-laid out (scale 1), both token orders.
+VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
+                            v_perm=p) for d in (64, 128, 256) for p in (False, True)]
 VARIANTS = [QuantizeConfig(**{**c.__dict__, "target": "sm_90a"}) for c in VARIANTS]
 
 
@@ -65,6 +68,9 @@ def test_quantize_config_rejects_what_the_kernel_cannot_do() -> None:
         QuantizeConfig(target="sm_90a", rotate=True, v_perm=True)
     with pytest.raises(ValueError, match="varlen"):
         QuantizeConfig(target="sm_90a", rotate=False, transpose=True, v_perm=True, varlen=True)
+    for kw in (dict(rotate=True), dict(rotate=False), dict(rotate=False, transpose=True, phase="amax")):
+        with pytest.raises(ValueError, match="e4m3"):
+            QuantizeConfig(target="sm_90a", dtype="e4m3", **kw)
 
 
 def _hopper() -> bool:
@@ -258,3 +264,28 @@ def test_lane_butterflies_are_the_reference_transform(d: int) -> None:
             lanes[lane] = old[lane] + other if lane & t == 0 else other - old[lane]
     got = torch.cat(lanes) / d**0.5
     assert torch.allclose(got, fwht(x), atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
+@pytest.mark.parametrize("v_perm", [False, True], ids=["v-natural", "v-kernel-order"])
+@pytest.mark.parametrize("d,n", [(64, 517), (128, 16), (256, 33)])
+def test_relayout_v_is_the_reference_layout_bit_for_bit(d: int, n: int, v_perm: bool) -> None:
+    """A caller's e4m3 V through the V quantize kernel at scale 1: exactly the bytes of
+    ``fp8_ref.v_kernel_order`` / ``token_contiguous`` (padding zeros), also from a
+    non-contiguous view."""
+    import torch
+
+    from cute_flash.fp8_ref import _bytes, token_contiguous, v_kernel_order
+    from cute_flash.quant import relayout_v
+
+    torch.manual_seed(d + n)
+    big = (torch.randn(2, n, 6, d, device="cuda") * 30).to(torch.float8_e4m3fn)
+    for v8 in (big[:, :, :3].contiguous(), big[:, :, 1:4]):
+        got = relayout_v(v8, v_perm=v_perm)
+        want = v_kernel_order(v8) if v_perm else token_contiguous(v8).permute(0, 2, 3, 1)
+        if not v_perm:
+            store = torch.zeros_like(got, dtype=torch.uint8)
+            store[..., :n] = _bytes(want)
+            want = store
+        assert torch.equal(_bytes(got), _bytes(want))
