@@ -35,9 +35,13 @@ SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
 # Persistent grid up to this many keys (session 6, N = 2k / 4k, TFLOP/s one CTA per tile ->
 # persistent): non-causal with a static stride 749 -> 794, 827 -> 839 (d = 128) and 1063 -> 1115,
 # 1102 -> 1142 (d = 256); causal with tiles claimed from the atomic counter 571 -> 636, 697 -> 747
-# (d = 128) and 851 -> 917, 1004 -> 1041 (d = 256). Longer sequences were not measured (bf16 lost
-# 2% at 8k with the static stride), so they keep one CTA per tile.
+# (d = 128) and 851 -> 917, 1004 -> 1041 (d = 256). At 8k (d = 128): non-causal 880 -> 879 (no
+# gain), causal 792 -> 812; at 16k causal 863 -> 859. So causal at d = 128 goes on to 8k; d = 256
+# at 8k was not measured (bf16 lost 2% there) and stays at 4k.
+# d = 64 (three warpgroups; bf16 lost with the persistent grid at N <= 1k there) was not measured
+# and keeps one CTA per tile.
 SM90_FP8_PERSISTENT_MAX_SEQLEN = 4096
+SM90_FP8_PERSISTENT_CAUSAL_D128_MAX_SEQLEN = 8192
 # Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
 # tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
 SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
@@ -151,7 +155,10 @@ def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int,
         # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so each
         # K/V block is read once per KV head, and the tile is not mostly empty rows.
         fields["pack_gqa"] = pack
-    if local or varlen or num_keys > SM90_FP8_PERSISTENT_MAX_SEQLEN:
+    limit = SM90_FP8_PERSISTENT_MAX_SEQLEN
+    if causal and hdim == 128:
+        limit = SM90_FP8_PERSISTENT_CAUSAL_D128_MAX_SEQLEN
+    if local or varlen or hdim == 64 or num_keys > limit:
         return fields
     # Causal tiles are unequal: claiming them longest first from a counter balances the SMs, a
     # static stride does not.

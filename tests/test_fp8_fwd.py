@@ -225,14 +225,18 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
                          dynamic_tiles=False)
 
 
-def test_fp8_launch_takes_the_persistent_grid_up_to_4k_keys_and_claims_causal_tiles() -> None:
+def test_fp8_launch_takes_the_persistent_grid_for_short_sequences_and_claims_causal_tiles() -> None:
     from cute_flash.fwd_fp8 import fp8_launch_fields
 
     assert fp8_launch_fields(4096, causal=False, local=False, num_sms=132) == {"num_ctas": 132,
                                                                              "dynamic_tiles": False}
     assert fp8_launch_fields(300, causal=True, local=False, num_sms=132) == {"num_ctas": 132,
                                                                             "dynamic_tiles": True}
-    assert fp8_launch_fields(4097, causal=True, local=False, num_sms=132) == {}
+    assert fp8_launch_fields(4097, causal=False, local=False, num_sms=132) == {}
+    assert fp8_launch_fields(8192, causal=True, local=False, num_sms=132)["dynamic_tiles"]  # d = 128
+    assert fp8_launch_fields(8193, causal=True, local=False, num_sms=132) == {}
+    assert fp8_launch_fields(8192, causal=True, local=False, num_sms=132, hdim=256) == {}
+    assert fp8_launch_fields(2048, causal=True, local=False, num_sms=132, hdim=64) == {}  # unmeasured
     assert fp8_launch_fields(300, causal=False, local=True, num_sms=132) == {}
 
 
