@@ -69,8 +69,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
         if self.softcap:
             raise ValueError("FP8 forward: no softcap")
         if self.varlen and self.v_perm:
-            # The kernel order permutes each 16 tokens of the storage, and packed sequences do
-            # not start on multiples of 16.
+            # The varlen re-layout of V (fp8_ref.v_varlen_aligned) writes the natural order. (The
+            # kernel order would work on its 16-aligned sequence starts; not wired up yet.)
             raise ValueError("FP8 forward: varlen takes V in its natural token order")
         # Varlen causal at d = 64 (three warpgroups) spills 248 bytes with the tuned tile: the
         # sequence offsets and both mask bounds stay live; the smaller tile does not.
