@@ -108,6 +108,10 @@ class BwdSm90Config(jit.KernelConfig):
     # Grid walked longest CTA first within L2-sized head groups (``FlashBwdSm90.longest_first``;
     # None = on for causal without varlen or deterministic mode, whose order it would break).
     lpt: bool | None = None
+    # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
+    # their waits (flash-attn-4's order; session 6 SASS comparison). Compiled without spills, not
+    # yet measured on a GPU: off.
+    prefetch_stats: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -136,6 +140,10 @@ class BwdSm90Config(jit.KernelConfig):
             if self.smem_bytes() > SM90_SMEM_BYTES:
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
+        if self.prefetch_stats and (self.softcap or not narrow):
+            # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128); the wide
+            # kernel (d >= 192) has its own loop.
+            raise ValueError("sm90 backward: prefetch_stats is for the narrow kernel without softcap")
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.lpt and (self.varlen or self.deterministic):

@@ -2,7 +2,7 @@
 # One device call (developer tool): the FP8 tests alone, the other GPU tests in 8 shards, the
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
-#   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [fp8tune] [fp8]   (default: fp8tests tests bench)
+#   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
 # (The backward switches of session 4 were measured in session 5 and settled: docs/notes.md.)
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
@@ -32,6 +32,12 @@ for p in "${parts[@]}"; do
         --providers ours ours-det sdpa-flash sdpa-cudnn fa4 --out "$OUT" > "$OUT/bench.log" 2>&1
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
+    bwdtune)
+      # Issue 4 (d = 64 / 128 vs flash-attn-4): the statistics read under the S^T / dP^T wgmmas.
+      timeout "${BWD_TUNE_TIMEOUT:-200}" python scripts/tune_bwd_sm90.py --hdim 64 128 --seqlen 2048 16384 \
+        --causal 0 1 --variant "prefetch_stats=1" > "$OUT/tune_bwd.log" 2>&1
+      echo "== bwdtune rc=$?"
+      grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-240 ;;
     fp8tune)
       # Still open for FP8 at d = 128: how many exponentials on the FMA pipe (8 is the default now;
       # 4 and 6 were measured only without the kernel-order V), and whether the persistent grid

@@ -47,6 +47,11 @@ VARIANTS = [
                   det_descending=desc)
     for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
                            (256, True, True, True), (96, True, False, True), (192, False, True, True))
+] + [
+    # LSE2 / D read into registers under the S^T / dP^T wgmmas (off by default until measured).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
+    for d, c, sc in ((64, False, False), (64, True, False), (128, False, False), (128, True, False),
+                     (96, True, False))
 ]
 
 
@@ -56,7 +61,7 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic")
+    names = ("softcap", "varlen", "deterministic", "prefetch_stats")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -139,6 +144,8 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, softcap=True)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=128, hdim_v=64)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=128, softcap=True, prefetch_stats=True)
 
 
 def _hopper() -> bool:

@@ -103,6 +103,7 @@ class FlashBwdSm90:
         self.dq_before_dk, self.ds_stages, self.ds_stmatrix = cfg.dq_before_dk, cfg.ds_stages, cfg.ds_stmatrix
         self.det_descending = cfg.det_descending
         self.lpt = cfg.lpt
+        self.prefetch_stats = cfg.prefetch_stats
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -465,11 +466,15 @@ class FlashBwdSm90:
         pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
+        # This block's LSE2 / D rows came with its Q / dO (same stage). ``prefetch_stats``: read
+        # into registers while S^T (then dP^T) is in flight, not after its wait, where each
+        # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
+        lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
-        # This block's LSE2 / D rows came with its Q / dO (same stage).
-        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
+        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
+        dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None
         warpgroup.wait_group(0)
-        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s])
+        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         convert_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -538,7 +543,16 @@ class FlashBwdSm90:
     # LSE2 and D come through smem with the block's Q / dO and are read where used: holding them in
     # registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are 192 of 240).
     @cute.jit
-    def probs(self, ctx, acc_S, sLSE2, m_block: Int32):
+    def stats_regs(self, ctx, acc_S, sStat):
+        """This thread's per-query statistics (LSE2 or D), one per accumulator column."""
+        ncols = cute.size(acc_to_mn(acc_S), mode=[1])
+        regs = cute.make_rmem_tensor(ncols, Float32)
+        for c in cutlass.range_constexpr(ncols):
+            regs[c] = sStat[ctx.tScS[0, c][1]]
+        return regs
+
+    @cute.jit
+    def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
         """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
         the key-range / causal / window mask. Padding query rows have LSE2 = +inf (preprocess),
         so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
@@ -549,13 +563,13 @@ class FlashBwdSm90:
         # at d = 64 its compare-and-select is a quarter of the loop body's instructions.
         if self.block_needs_mask(bounds):
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = sLSE2[ctx.tScS[0, c][1]]
+                lse2 = sLSE2[ctx.tScS[0, c][1]] if cutlass.const_expr(lse2_regs is None) else lse2_regs[c]
                 for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                     key, query = ctx.tScS[r, c]
                     acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = sLSE2[ctx.tScS[0, c][1]]
+                lse2 = sLSE2[ctx.tScS[0, c][1]] if cutlass.const_expr(lse2_regs is None) else lse2_regs[c]
                 for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                     acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
@@ -605,12 +619,12 @@ class FlashBwdSm90:
         return cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
 
     @cute.jit
-    def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum):
+    def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):
         """dS^T = P^T * (dP^T - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = sDsum[ctx.tScS[0, c][1]]
+            dsum = sDsum[ctx.tScS[0, c][1]] if cutlass.const_expr(dsum_regs is None) else dsum_regs[c]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         self.softcap_grad(acc_dP, dtanh)
