@@ -112,6 +112,10 @@ class BwdSm90Config(jit.KernelConfig):
     # their waits (flash-attn-4's order; session 6 SASS comparison). Compiled without spills, not
     # yet measured on a GPU: off.
     prefetch_stats: bool = False
+    # dQ writer warp: issue both warpgroups' reduce-adds, then release each chunk as it is read,
+    # instead of waiting for the first chunk's read before taking the second (flash-attn-4's
+    # writer; session 6 SASS comparison). Compiled, not yet measured: off.
+    dq_writer_batch: bool = False
 
     kernel_name = "bwd_sm90"
 

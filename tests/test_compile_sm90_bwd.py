@@ -52,6 +52,10 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
     for d, c, sc in ((64, False, False), (64, True, False), (128, False, False), (128, True, False),
                      (96, True, False))
+] + [
+    # The dQ writer issuing both warpgroups' reduce-adds before waiting (off by default).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_writer_batch=True, prefetch_stats=pf)
+    for d, c, pf in ((64, False, True), (128, True, False), (256, False, False))
 ]
 
 
@@ -61,7 +65,7 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic", "prefetch_stats")
+    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []

@@ -646,18 +646,36 @@ class FlashBwdSm90:
             head, m_block = self.work_item(work, it)
             gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
                                            self.hdim)
-            for wg in cutlass.range_constexpr(num_wg):
-                cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
-                if lane == 0:
-                    bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half, smem.sdQ.iterator + wg * half,
-                                                 half * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-                    # The smem half may be rewritten once the copy engine has read it.
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
-                if it + 1 < total:
-                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
-                                             number_of_threads=DQ_HANDOFF_THREADS)
+            if cutlass.const_expr(self.cfg.dq_writer_batch):
+                # Every warpgroup's chunk issued as soon as it is handed over, then each released
+                # as the copy engine finishes reading it (oldest first): the second chunk does not
+                # wait for the first one's smem read (flash-attn-4's writer).
+                for wg in cutlass.range_constexpr(num_wg):
+                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
+                    if lane == 0:
+                        bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half,
+                                                     smem.sdQ.iterator + wg * half, half * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                for wg in cutlass.range_constexpr(num_wg):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(num_wg - 1 - wg, read=True)
+                    cute.arch.sync_warp()
+                    if it + 1 < total:
+                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
+                                                 number_of_threads=DQ_HANDOFF_THREADS)
+            else:
+                for wg in cutlass.range_constexpr(num_wg):
+                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
+                    if lane == 0:
+                        bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half,
+                                                     smem.sdQ.iterator + wg * half, half * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                        # The smem half may be rewritten once the copy engine has read it.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
+                    if it + 1 < total:
+                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
+                                                 number_of_threads=DQ_HANDOFF_THREADS)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
