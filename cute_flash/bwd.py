@@ -158,6 +158,9 @@ class BwdPreConfig(jit.KernelConfig):
     tile_m: int = 64
     varlen: bool = False
     deterministic: bool = False
+    # sm90 only (griddepcontrol): let a main kernel launched with PDL start its prologue while
+    # this one still runs (``BwdSm90Config.pdl``).
+    launch_dependents: bool = False
 
     kernel_name = "bwd_pre_sm80"
 

@@ -116,6 +116,11 @@ class BwdSm90Config(jit.KernelConfig):
     # instead of waiting for the first chunk's read before taking the second (flash-attn-4's
     # writer; session 6 SASS comparison). Compiled, not yet measured: off.
     dq_writer_batch: bool = False
+    # Programmatic dependent launch: the main kernel may start while the preprocess still runs --
+    # CTA launch, barrier init and the K / V loads overlap its tail -- and waits (griddepcontrol)
+    # before it reads LSE2 / D or adds into the zeroed dQ accumulator (flash-attn-4 does this).
+    # Compiled, not yet measured: off.
+    pdl: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -199,7 +204,8 @@ class BwdSm90Config(jit.KernelConfig):
 
     def pre(self) -> BwdPreConfig:
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
-                            tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic)
+                            tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
+                            launch_dependents=self.pdl)
 
     def post(self) -> BwdSm90PostConfig:
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,

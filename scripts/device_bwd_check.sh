@@ -34,9 +34,11 @@ for p in "${parts[@]}"; do
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
     bwdtune)
       # Issue 4 (d = 64 / 128 vs flash-attn-4): the statistics read under the S^T / dP^T wgmmas,
-      # the dQ writer issuing both chunks before waiting (docs/notes.md, session 6).
+      # the dQ writer issuing both chunks before waiting, PDL after the preprocess (docs/notes.md,
+      # session 6).
       timeout "${BWD_TUNE_TIMEOUT:-240}" python scripts/tune_bwd_sm90.py --hdim 64 128 --seqlen 2048 16384 \
-        --causal 0 1 --variant "prefetch_stats=1" "dq_writer_batch=1" "prefetch_stats=1,dq_writer_batch=1" \
+        --causal 0 1 --variant "prefetch_stats=1" "dq_writer_batch=1" "pdl=1" \
+        "prefetch_stats=1,dq_writer_batch=1,pdl=1" \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-240 ;;

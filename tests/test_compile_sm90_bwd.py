@@ -56,6 +56,10 @@ VARIANTS = [
     # The dQ writer issuing both warpgroups' reduce-adds before waiting (off by default).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_writer_batch=True, prefetch_stats=pf)
     for d, c, pf in ((64, False, True), (128, True, False), (256, False, False))
+] + [
+    # Programmatic dependent launch after the preprocess (off by default).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, pdl=True)
+    for d, c, det in ((64, True, False), (128, False, False), (128, True, True), (256, True, False))
 ]
 
 
@@ -65,7 +69,7 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch")
+    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -335,3 +339,17 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool) -
         if n <= 1024:
             _check_gradients((1, n, n, h, h // 2, True, (-1, -1), 0.0, d),
                              overrides=dict(det_descending=descending), deterministic=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_bwd_with_pdl_waits_for_the_preprocess_in_every_role(deterministic: bool) -> None:
+    """``pdl``: the preprocess lets the main kernel launch early, and each role of the main
+    kernel that reads the preprocess's output (producer: LSE2 / D; dQ writer or consumers: the
+    zeroed accumulator, semaphores) waits for it first."""
+    cfg = BwdSm90Config(target="sm_90a", hdim=128, deterministic=deterministic, pdl=True)
+    ptx, _ = jit.compile_artifacts(cfg)
+    pre_ptx, _ = jit.compile_artifacts(cfg.pre())
+    assert _count(pre_ptx, "griddepcontrol.launch_dependents") == 1
+    assert _count(ptx, "griddepcontrol.wait") == (2 if cfg.deterministic else 3)
+    plain, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", hdim=128, deterministic=deterministic))
+    assert "griddepcontrol" not in plain

@@ -62,6 +62,9 @@ class FlashBwdPreSm80:
                mCuSeqlensQ: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.launch_dependents):
+            # The main kernel waits (griddepcontrol.wait) before it reads anything written here.
+            cute.arch.griddepcontrol_launch_dependents()
         seqlen = SeqlenInfo(batch, mO.shape[0], mO.shape[0], mCuSeqlensQ, None)
         # Varlen grids are sized by the longest sequence; blocks past this one's end own no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:

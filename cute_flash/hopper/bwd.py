@@ -204,7 +204,7 @@ class FlashBwdSm90:
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
             # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
             # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
-            min_blocks_per_mp=1)
+            min_blocks_per_mp=1, use_pdl=self.cfg.pdl)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -283,9 +283,12 @@ class FlashBwdSm90:
                               pipe_qdo, seqlen, work)
                 if cutlass.const_expr(self.dq_warp):
                     if warp_idx == 1:
+                        self.wait_for_preprocess()
                         self.dq_writer(mdQaccum, smem, seqlen, work)
             else:
                 cute.arch.setmaxregister_increase(240)
+                # (Deterministic mode's semaphores and the consumers' own dQ reductions.)
+                self.wait_for_preprocess()
                 self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
                               window_left, window_right)
 
@@ -308,12 +311,20 @@ class FlashBwdSm90:
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        # K and V are inputs; LSE2 and D (with Q / dO, below) come from the preprocess.
+        self.wait_for_preprocess()
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(work.group, unroll=1):
             # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
             state = self.load_head(mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
                                    work.head_kv * work.group + g, state)
+
+    def wait_for_preprocess(self) -> None:
+        """With ``pdl`` (this kernel may start before the preprocess ends): wait for it to finish
+        and its writes (LSE2, D, the zeroed dQ accumulator, semaphores) to be visible."""
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def longest_first(self, x: Int32, y: Int32, q_rows_per_kv_head: Int32) -> tuple:
