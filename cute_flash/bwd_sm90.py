@@ -160,7 +160,9 @@ class BwdSm90Config(jit.KernelConfig):
         if self.dq_before_dk is None:
             object.__setattr__(self, "dq_before_dk", narrow)
         if self.ds_stmatrix is None:
-            # (At tile_m = 80 the stmatrix path costs the registers that keep the wgmmas async.)
+            # (At tile_m = 80, one 8x8 tile per stmatrix: compiles clean non-causal -- 20 STSM, no
+            # spills, wgmmas async -- but is not yet measured; causal spills 24 bytes and
+            # deterministic mode serialises the wgmmas, so those are refused below.)
             object.__setattr__(self, "ds_stmatrix", narrow and self.tile_m % 64 == 0)
         if not self.ds_stages:
             object.__setattr__(self, "ds_stages", self.stages if narrow else 1)
@@ -182,6 +184,9 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
             raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
                              "two warpgroups) needs d = 128, no softcap (it spills 37 registers)")
+        if self.tile_m == 80 and self.ds_stmatrix and (self.causal or self.local or self.deterministic):
+            raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
+                             "deterministic mode (they spill / serialise the wgmmas)")
 
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""

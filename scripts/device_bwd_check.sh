@@ -38,7 +38,7 @@ for p in "${parts[@]}"; do
       # session 6).
       timeout "${BWD_TUNE_TIMEOUT:-240}" python scripts/tune_bwd_sm90.py --hdim 64 128 --seqlen 2048 16384 \
         --causal 0 1 --variant "prefetch_stats=1" "dq_writer_batch=1" "pdl=1" \
-        "prefetch_stats=1,dq_writer_batch=1,pdl=1" \
+        "prefetch_stats=1,dq_writer_batch=1,pdl=1" "tile_m=80,ds_stmatrix=1" \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-240 ;;

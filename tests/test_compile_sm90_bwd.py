@@ -60,6 +60,10 @@ VARIANTS = [
     # Programmatic dependent launch after the preprocess (off by default).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, pdl=True)
     for d, c, det in ((64, True, False), (128, False, False), (128, True, True), (256, True, False))
+] + [
+    # FA4's d = 128 non-causal tile with stmatrix dS (one 8x8 tile per instruction; off by default).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, ds_stmatrix=True, varlen=vl)
+    for vl in (False, True)
 ]
 
 
@@ -73,6 +77,7 @@ def _id(cfg: BwdSm90Config) -> str:
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
+    flags += ["stmatrix"] if cfg.tile_m == 80 and cfg.ds_stmatrix else []
     dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
     dims += f"-m{cfg.tile_m}" if cfg.tile_m == 80 else ""
     return "-".join([cfg.dtype, dims, mode, *flags])
@@ -128,7 +133,9 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
-        if cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
+        if cfg.ds_stmatrix and cfg.tile_m == 80:  # dS^T: 20 single-tile stmatrix.trans
+            assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
+        elif cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
             assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
 
 
@@ -154,6 +161,8 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=128, hdim_v=64)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=128, softcap=True, prefetch_stats=True)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, ds_stmatrix=True, causal=True)
 
 
 def _hopper() -> bool:

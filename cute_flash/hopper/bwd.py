@@ -464,7 +464,11 @@ class FlashBwdSm90:
         one of the K-major dS tile, across the accumulator's register pairs."""
         if cutlass.const_expr(not self.ds_stmatrix):
             return {}
-        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4),
+        # 4 tiles per instruction need 32 queries per step; at tile_m = 80 that leaves a remainder
+        # whose registers spill (8 bytes) and serialise every wgmma (4 -> 34 waits), and 2 tiles do
+        # the same; one tile per instruction (20 STSM) compiles clean.
+        tiles = 4 if self.tile_m % 32 == 0 else 1
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=tiles),
                                    self.dtype)
         tiled = cute.make_tiled_copy_C(atom, self.mma_sdp)
         thr = tiled.get_slice(tidx)
