@@ -121,6 +121,10 @@ class BwdSm90Config(jit.KernelConfig):
     # before it reads LSE2 / D or adds into the zeroed dQ accumulator (flash-attn-4 does this).
     # Compiled, not yet measured: off.
     pdl: bool = False
+    # Narrow kernel epilogue: dK / dV to smem by stmatrix instead of 2-byte stores (flash-attn-4
+    # uses stmatrix + TMA stores; ours ran ~900 instructions per thread after the loop vs its
+    # 182-265). Compiled, not yet measured: off.
+    dkv_stmatrix: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -171,9 +175,10 @@ class BwdSm90Config(jit.KernelConfig):
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
-        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix):
-            raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix are narrow-kernel "
-                             "(d <= 128) switches")
+        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix
+                                or self.dkv_stmatrix or self.prefetch_stats):
+            raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
+                             "prefetch_stats are narrow-kernel (d <= 128) switches")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:

@@ -1,7 +1,8 @@
 """sm90 backward variants on the GPU (developer tool): backward TFLOP/s (2.5x forward FLOPs) of
 each BwdSm90Config variant (pre + main + post, the launches autograd makes) beside flash-attn-4's
-and cuDNN's backward in the same run, passes rotated over the providers; dq of each variant checked
-against the default one (relative L2), so a broken variant is flagged rather than timed as right.
+and cuDNN's backward in the same run, passes rotated over the providers; dq, dk and dv of each
+variant checked against the default one (relative L2), so a broken variant is flagged rather than
+timed as right.
 
     python scripts/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
         [--variant "dq_warp=0" "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
@@ -79,13 +80,14 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"{tag} {name}: {type(e).__name__}: {e}", flush=True)
                         continue
+                    # Every gradient (a variant may change only dK / dV's path) against the default's.
                     if ref is None:
-                        ref = grads[0].float()
-                        rel = 0.0
-                    else:
-                        rel = ((grads[0].float() - ref).norm() / ref.norm()).item()
-                    if not math.isfinite(rel) or rel > 1e-2:
-                        print(f"{tag} {name}: WRONG dq (rel L2 {rel:.2e})")
+                        ref = [g.float() for g in grads]
+                    rels = [((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, ref, strict=True)]
+                    bad = [f"{x} {e:.2e}" for x, e in zip(("dq", "dk", "dv"), rels, strict=True)
+                           if not math.isfinite(e) or e > 1e-2]
+                    if bad:
+                        print(f"{tag} {name}: WRONG ({', '.join(bad)} rel L2)")
                         continue
                     fns[name] = fn
                 for peer in args.peers:

@@ -64,6 +64,10 @@ VARIANTS = [
     # FA4's d = 128 non-causal tile with stmatrix dS (one 8x8 tile per instruction; off by default).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, ds_stmatrix=True, varlen=vl)
     for vl in (False, True)
+] + [
+    # dK / dV to smem by stmatrix (off by default).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, dkv_stmatrix=True)
+    for d, c, vl in ((64, True, False), (96, False, True), (128, False, False), (128, True, True))
 ]
 
 
@@ -73,7 +77,7 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl")
+    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []

@@ -729,9 +729,34 @@ class FlashBwdSm90:
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
         free now) -> 16-byte row stores of the rows of this K/V block that exist."""
-        coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
-        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
-                       transposed=False)
+        if cutlass.const_expr(self.cfg.dkv_stmatrix):
+            self.store_dkv_stmatrix(ctx, mdK, mdV, softmax_scale)
+        else:
+            coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
+            self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
+                           transposed=False)
+
+    @cute.jit
+    def store_dkv_stmatrix(self, ctx, mdK, mdV, softmax_scale):
+        """``dkv_stmatrix``: dK / dV leave their accumulators through stmatrix (8x8 tiles, as the
+        forward's O) instead of one 2-byte store per element (128 per thread at d = 128), then the
+        same 16-byte row stores."""
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
+        for sT, acc, scale in ((ctx.smem.sK, ctx.acc_dK, softmax_scale),
+                               (ctx.smem.sV, ctx.acc_dV, Float32(1.0))):
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r[i] = (acc[i] * scale).to(self.dtype)
+            cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
+        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
+        for mT, sT, width in ((mdK, ctx.smem.sK, self.hdim), (mdV, ctx.smem.sV, self.hdim_v)):
+            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
+            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
+                                 (ctx.n_block, 0))
+            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
 
     @cute.jit
     def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords_k, coords_v,
