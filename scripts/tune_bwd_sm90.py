@@ -83,7 +83,8 @@ def main() -> None:
                     # Every gradient (a variant may change only dK / dV's path) against the default's.
                     if ref is None:
                         ref = [g.float() for g in grads]
-                    rels = [((g.float() - r).norm() / r.norm()).item() for g, r in zip(grads, ref, strict=True)]
+                    rels = [((g.float() - r).norm() / r.norm()).item()
+                            for g, r in zip(grads, ref, strict=True)]
                     bad = [f"{x} {e:.2e}" for x, e in zip(("dq", "dk", "dv"), rels, strict=True)
                            if not math.isfinite(e) or e > 1e-2]
                     if bad:
