@@ -234,6 +234,43 @@ def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(ca
     _check_gradients(case, overrides=switches)
 
 
+# The switches queued in session 6 (off by default until measured; docs/notes.md): each must keep
+# the gradients right before it can be measured and switched on.
+CANDIDATE_SWITCHES = {
+    "prefetch-stats": dict(prefetch_stats=True), "dq-writer-batch": dict(dq_writer_batch=True),
+    "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
+    "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("name", list(CANDIDATE_SWITCHES))
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 3, 5, 9)]
+                         + [c for c in GPU_CASES if c[-1] == 64][:2])
+def test_sm90_bwd_candidate_switches_keep_gradients_within_twice_pytorch_error(case: tuple,
+                                                                               name: str) -> None:
+    """Statistics read under the wgmmas, the dQ writer's batched reduce-adds, PDL after the
+    preprocess, stmatrix dK / dV: same rule (softcap cases skip prefetch_stats, which refuses it)."""
+    switches = CANDIDATE_SWITCHES[name]
+    if case[7] and switches.get("prefetch_stats"):
+        pytest.skip("prefetch_stats refuses softcap")
+    _check_gradients(case, overrides=switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 2, 5)])
+def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> None:
+    """tile_m = 80 with one-tile stmatrix dS^T (non-causal, no window: what it allows)."""
+    _check_gradients(case, overrides=dict(tile_m=80, ds_stmatrix=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_sm90_bwd_with_pdl_is_deterministic_and_right_in_deterministic_mode() -> None:
+    _check_gradients(GPU_CASES[3], overrides=dict(pdl=True), deterministic=True)
+
+
 def _check_gradients(case: tuple, overrides: dict | None = None, deterministic: bool = False) -> None:
     import math
 
