@@ -21,11 +21,12 @@ from cute_flash import fp8_ref
 Tensor = torch.Tensor
 FP8 = torch.float8_e4m3fn
 FP8_HDIMS = (64, 128, 256)
-# Re-lay a caller's dense e4m3 V with the V quantize kernel at scale 1 (``quant.relayout_v``, 16-byte
-# stores) instead of torch byte gathers, which measured ~90 GB/s: at B = 8, N = 2k, d = 128 the
-# caller-V FP8 forward ran at 363 TFLOP/s against 735-756 with quantize_qkv's V. Compiled and
-# CPU-checked, its GPU test (tests/test_quant.py, bit-exact vs fp8_ref) written but not yet run:
-# switch on once it passes.
+# Re-lay V for the FP8 kernels with the V quantize kernel at scale 1 (``quant.relayout_v`` for a
+# caller's dense e4m3 V, ``quant.relayout_v_varlen`` for every packed V; 16-byte stores) instead of
+# torch byte gathers, which measured ~90 GB/s: at B = 8, N = 2k, d = 128 the caller-V FP8 forward
+# ran at 363 TFLOP/s against 735-756 with quantize_qkv's V, and varlen at 265. Compiled and
+# CPU-checked, the GPU tests (tests/test_quant.py, bit-exact vs fp8_ref) written but not yet run:
+# switch on once they pass.
 RELAYOUT_V_KERNEL = False
 
 
@@ -249,7 +250,12 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
         return out.zero_(), lse.fill_(float("-inf"))
     # P V reads V with the tokens contiguous (K-major B operand), each sequence's from a 16-aligned
     # start (TMA): one byte copy of V into that layout (natural token order).
-    v_store, cu_v = fp8_ref.v_varlen_aligned(v8, cu_seqlens_k)
+    if RELAYOUT_V_KERNEL:
+        from cute_flash.quant import relayout_v_varlen
+
+        v_store, cu_v = relayout_v_varlen(v8, cu_seqlens_k, max_seqlen_k)
+    else:
+        v_store, cu_v = fp8_ref.v_varlen_aligned(v8, cu_seqlens_k)
     run_fwd_fp8(q8.contiguous(), k8.contiguous(), v_store, q_descale, k_descale, v_descale, out, lse,
                 softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -220,6 +220,17 @@ def token_contiguous_varlen(v8: torch.Tensor) -> torch.Tensor:
     return store.view(v8.dtype)[..., :t].permute(2, 0, 1)
 
 
+def varlen_v_offsets(cu_seqlens_k: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens_v int32 (S + 1,), T_v): sequence s's V starts at cu_seqlens_v[s], its length
+    rounded up to 16 tokens after the previous one's start; T_v = round16(T) + 16 S bounds the
+    last end without reading cu_seqlens on the host."""
+    cu_k = cu_seqlens_k.long()
+    num_seqs = cu_k.shape[0] - 1
+    cu_v = torch.zeros(num_seqs + 1, dtype=torch.long, device=cu_k.device)
+    cu_v[1:] = torch.cumsum((cu_k[1:] - cu_k[:-1] + 15) // 16 * 16, 0)
+    return cu_v.to(torch.int32), (total + 15) // 16 * 16 + 16 * num_seqs
+
+
 def v_varlen_aligned(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed v8 (T, H_kv, d) -> (its copy as a (T_v, H_kv, d) view over token-contiguous
     (H_kv, d, T_v) storage, cu_seqlens_v int32 (S + 1,)): sequence s starts at cu_seqlens_v[s], a
@@ -227,17 +238,13 @@ def v_varlen_aligned(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torc
     the contiguous (token) dim. Gaps are zeros; device ops only (no host sync: T_v is a bound)."""
     t, hkv, d = v8.shape
     cu_k = cu_seqlens_k.long()
-    num_seqs = cu_k.shape[0] - 1
-    lens = cu_k[1:] - cu_k[:-1]
-    cu_v = torch.zeros(num_seqs + 1, dtype=torch.long, device=v8.device)
-    cu_v[1:] = torch.cumsum((lens + 15) // 16 * 16, 0)
-    t_v = (t + 15) // 16 * 16 + 16 * num_seqs
+    cu_v, t_v = varlen_v_offsets(cu_seqlens_k, t)
     tok = torch.arange(t, device=v8.device)
     seq = torch.searchsorted(cu_k[1:], tok, right=True)
-    pos = tok - cu_k[seq] + cu_v[seq]
+    pos = tok - cu_k[seq] + cu_v.long()[seq]
     store = torch.zeros(hkv, d, t_v, dtype=torch.uint8, device=v8.device)
     store.index_copy_(2, pos, _bytes(v8).permute(1, 2, 0))
-    return store.view(v8.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
+    return store.view(v8.dtype).permute(2, 0, 1), cu_v
 
 
 def attention_fp8_varlen_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu_seqlens_q: torch.Tensor,

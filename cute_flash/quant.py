@@ -31,6 +31,9 @@ class QuantizeConfig(jit.KernelConfig):
     v_perm: bool = False
     # Packed (T, H, d) input with cu_seqlens; scales per (sequence, kv head).
     varlen: bool = False
+    # Varlen V: each sequence written from its own 16-aligned start (``fp8_ref.varlen_v_offsets``,
+    # the varlen FP8 kernel's V layout) instead of at its cu_seqlens offset.
+    v_aligned: bool = False
 
     kernel_name = "quantize"
 
@@ -43,9 +46,11 @@ class QuantizeConfig(jit.KernelConfig):
             raise ValueError("quantize: V (the transposed output) is not rotated")
         if self.v_perm and not (self.transpose and self.phase == "quant"):
             raise ValueError("quantize: v_perm orders the transposed V output")
-        relayout_only = self.transpose and self.phase == "quant" and not (self.rotate or self.varlen)
+        relayout_only = self.transpose and self.phase == "quant" and not self.rotate
+        if self.v_aligned and not (self.varlen and self.transpose and self.phase == "quant"):
+            raise ValueError("quantize: v_aligned places packed V (varlen, transposed quant phase)")
         if self.dtype == "e4m3" and not relayout_only:
-            raise ValueError("quantize: e4m3 input only re-lays a dense V out (transpose, quant phase)")
+            raise ValueError("quantize: e4m3 input only re-lays V out (transpose, quant phase)")
         if self.v_perm and self.varlen:
             # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
             raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
@@ -56,7 +61,8 @@ class QuantizeConfig(jit.KernelConfig):
         return QuantizeSm90(self)
 
     def fake_args(self) -> tuple:
-        """(x, signs, amax, out, cu_seqlens, max_seqlen, stream); dense: cu_seqlens None."""
+        """(x, signs, amax, out, cu_seqlens, max_seqlen, cu_seqlens_out, stream); dense: both
+        cu_seqlens None; cu_seqlens_out only with ``v_aligned``."""
         dt = cutlass.Float8E4M3FN if self.dtype == "e4m3" else jit.DTYPES[self.dtype]
         h, hkv, d = jit.sym(), jit.sym(), self.hdim
         signs = jit.fake_tensor(cutlass.Float32, (d,))
@@ -70,7 +76,8 @@ class QuantizeConfig(jit.KernelConfig):
                 out = jit.fake_tensor(cutlass.Float8E4M3FN, (h, d, jit.sym()), leading_dim=2, divisibility=16)
             else:
                 out = jit.fake_tensor(cutlass.Float8E4M3FN, (t, h, d), divisibility=16)
-            return x, signs, amax, out, cu, cutlass.Int32(0), jit.fake_stream()
+            cu_out = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0) if self.v_aligned else None
+            return x, signs, amax, out, cu, cutlass.Int32(0), cu_out, jit.fake_stream()
         b, n = jit.sym(), jit.sym()
         x = jit.fake_tensor(dt, (b, n, h, d), divisibility=jit.vec_div(dt))
         amax = jit.fake_tensor(cutlass.Float32, (b, hkv))
@@ -80,7 +87,7 @@ class QuantizeConfig(jit.KernelConfig):
             out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, h, d, jit.sym()), leading_dim=3, divisibility=16)
         else:
             out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, n, h, d), divisibility=16)
-        return x, signs, amax, out, None, cutlass.Int32(0), jit.fake_stream()
+        return x, signs, amax, out, None, cutlass.Int32(0), None, jit.fake_stream()
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
@@ -144,11 +151,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     cfgs = quant_configs(dtype, d, rotate, v_perm)
     qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
-        qk_amax(x, signs, amax[i], out, None, 0)
-    v_amax(v, signs, amax[2], v_store, None, 0)
+        qk_amax(x, signs, amax[i], out, None, 0, None)
+    v_amax(v, signs, amax[2], v_store, None, 0, None)
     for i, (x, out) in enumerate(((q, q8), (k, k8))):
-        qk_quant(x, signs, amax[i], out, None, 0)
-    v_quant(v, signs, amax[2], v_store, None, 0)
+        qk_quant(x, signs, amax[i], out, None, 0, None)
+    v_quant(v, signs, amax[2], v_store, None, 0, None)
     v8 = v_store if v_perm else v_store[..., :nk].permute(0, 3, 1, 2)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
 
@@ -221,7 +228,7 @@ def quantize_qkv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         # A grid with no CTAs is no launch: with no (non-empty) sequence, nothing runs and the
         # descales stay 0.
         if num_seqs and max_seqlen:
-            fn(x, signs, a, out, cu, max_seqlen)
+            fn(x, signs, a, out, cu, max_seqlen, None)
     v8 = v_store[..., :tk].permute(2, 0, 1)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
 
@@ -244,5 +251,34 @@ def relayout_v(v8: torch.Tensor, v_perm: bool = True) -> torch.Tensor:
     unit = torch.full((b, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
     cfg = QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
                          v_perm=v_perm)
-    jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, None, 0)
+    jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, None, 0, None)
     return store
+
+
+def relayout_v_varlen(v8: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_ref.v_varlen_aligned`` by the V quantize kernel at scale 1 (e4m3 in, 16-byte
+    stores): a caller's packed e4m3 V (T, H_kv, d) -> (a (T_v, H_kv, d) view over token-contiguous
+    (H_kv, d, T_v) storage with every sequence 16-aligned, cu_seqlens_v). cu_seqlens_k must have
+    been checked (``fp8_ops.check_cu_data``)."""
+    from cute_flash.fp8_ref import varlen_v_offsets
+
+    if v8.dtype != torch.float8_e4m3fn or v8.dim() != 3 or not v8.is_cuda:
+        raise ValueError(f"relayout_v_varlen: a (T, H_kv, d) e4m3 CUDA tensor expected, got {v8.dtype} "
+                         f"{tuple(v8.shape)} on {v8.device}")
+    t, hkv, d = v8.shape
+    if d not in QUANT_HDIMS:
+        raise ValueError(f"relayout_v_varlen: head dim {d} not in {QUANT_HDIMS}")
+    if v8.stride(-1) != 1 or any(st % 16 for st in v8.stride()[:-1]):
+        v8 = v8.contiguous()
+    cu_v, t_v = varlen_v_offsets(cu_seqlens_k, t)
+    # Zeroed: the kernel writes every sequence's chunks whole, but not the slack past the last one
+    # (T_v is a bound, no host sync), which the attention kernel's last V box may read.
+    store = torch.zeros(hkv, d, t_v, device=v8.device, dtype=v8.dtype)
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    if num_seqs and max_seqlen_k and t:
+        unit = torch.full((num_seqs, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+        cfg = QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
+                             varlen=True, v_aligned=True)
+        jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, cu_seqlens_k, max_seqlen_k, cu_v)
+    return store.permute(2, 0, 1), cu_v

@@ -23,14 +23,16 @@ VARIANTS += [c for d in (64, 128, 256)
              for c in quant_configs("bf16", d, rotate=True, v_perm=True) if c.v_perm]
 VARIANTS += [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=True, varlen=True)]
 VARIANTS += quant_configs("fp16", 128, rotate=False, varlen=True)
-# A caller's e4m3 V re-laid out (scale 1), both token orders.
+# A caller's e4m3 V re-laid out (scale 1), both token orders, and packed with 16-aligned starts.
 VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
                             v_perm=p) for d in (64, 128, 256) for p in (False, True)]
+VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
+                            varlen=True, v_aligned=True) for d in (64, 128, 256)]
 VARIANTS = [QuantizeConfig(**{**c.__dict__, "target": "sm_90a"}) for c in VARIANTS]
 
 
 def _id(c: QuantizeConfig) -> str:
-    v = "v-kernel-order" if c.v_perm else "v"
+    v = "v-kernel-order" if c.v_perm else "v-aligned" if c.v_aligned else "v"
     packed = "-varlen" if c.varlen else ""
     return f"{c.dtype}-d{c.hdim}-{c.phase}-" + (v if c.transpose else "qk-rot" if c.rotate else "qk") + packed
 
@@ -289,3 +291,25 @@ def test_relayout_v_is_the_reference_layout_bit_for_bit(d: int, n: int, v_perm: 
             store[..., :n] = _bytes(want)
             want = store
         assert torch.equal(_bytes(got), _bytes(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_relayout_v_varlen_is_the_reference_aligned_layout_bit_for_bit(d: int) -> None:
+    """A caller's packed e4m3 V through the V quantize kernel at scale 1 with 16-aligned sequence
+    starts: the bytes of ``fp8_ref.v_varlen_aligned`` (gaps and slack zero), same offsets."""
+    import torch
+
+    from cute_flash.fp8_ref import _bytes, v_varlen_aligned
+    from cute_flash.quant import relayout_v_varlen
+
+    torch.manual_seed(d)
+    lens = [77, 0, 1, 300, 16, 45]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    big = (torch.randn(sum(lens), 5, d, device="cuda") * 30).to(torch.float8_e4m3fn)
+    for v8 in (big[:, :2].contiguous(), big[:, 1:3]):
+        got, cu_v = relayout_v_varlen(v8, cu, max(lens))
+        want, cu_v_ref = v_varlen_aligned(v8, cu)
+        assert torch.equal(cu_v, cu_v_ref)
+        assert got.shape == want.shape and torch.equal(_bytes(got), _bytes(want))

@@ -59,11 +59,14 @@ class QuantizeSm90:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mSigns: cute.Tensor, mAmax: cute.Tensor, mOut: cute.Tensor,
-                 mCuSeqlens: cute.Tensor | None, max_seqlen: Int32, stream):
+                 mCuSeqlens: cute.Tensor | None, max_seqlen: Int32, mCuSeqlensOut: cute.Tensor | None,
+                 stream):
         """mX (B, N, H, d); mSigns (d,) fp32 (+-1); mAmax (B, H_kv) fp32; mOut e4m3: (B, N, H, d),
         or (B, H_kv, d, N_pad) storage when ``transpose`` (unused in the amax phase). Varlen: mX and
         mOut (T, H, d), V storage (H_kv, d, T_pad), mAmax (S, H_kv), mCuSeqlens int32 (S + 1,) and
-        ``max_seqlen`` (at least the longest sequence) sizes the grid; dense: None and unused."""
+        ``max_seqlen`` (at least the longest sequence) sizes the grid; dense: None and unused.
+        ``mCuSeqlensOut`` (``v_aligned``): where each sequence's V starts in the storage, 16-aligned
+        (``fp8_ref.varlen_v_offsets``); else None."""
         mX = common.to_seq_dim_head(mX)  # (N, d, H, B); packed (T, d, H)
         if cutlass.const_expr(self.transpose):
             # (B, H, d, N_pad) -> (N_pad, d, H, B): element (n, c, h, b) at the same place.
@@ -75,12 +78,12 @@ class QuantizeSm90:
             grid = (cute.ceil_div(max_seqlen, self.rows), mX.shape[2], mCuSeqlens.shape[0] - 1)
         else:
             grid = (cute.ceil_div(mX.shape[0], self.rows), mX.shape[2], mX.shape[3])
-        self.kernel(mX, mSigns, mAmax, mOut, mCuSeqlens).launch(
+        self.kernel(mX, mSigns, mAmax, mOut, mCuSeqlens, mCuSeqlensOut).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=self.smem_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mSigns: cute.Tensor, mAmax: cute.Tensor, mOut: cute.Tensor,
-               mCuSeqlens: cute.Tensor | None):
+               mCuSeqlens: cute.Tensor | None, mCuSeqlensOut: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()  # batch: the sequence, when varlen
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -92,6 +95,9 @@ class QuantizeSm90:
         if cutlass.const_expr(self.varlen):
             seq = SeqlenInfo(batch, mX.shape[0], mX.shape[0], mCuSeqlens)
             at = (head, batch, seq.offset_q)
+            if cutlass.const_expr(self.cfg.v_aligned):
+                # (head, batch, input offset, output offset)
+                at = (head, batch, seq.offset_q, mCuSeqlensOut[batch])
             # The grid is sized by the longest sequence: shorter ones leave CTAs with no rows.
             if n_block * self.rows < seq.seqlen_q:
                 self.run_phase(mX, mOut, signs, amax_ptr, at, seq.seqlen_q, n_block, tidx, warp, lane)
@@ -102,7 +108,8 @@ class QuantizeSm90:
     @cute.jit
     def run_phase(self, mX: cute.Tensor, mOut: cute.Tensor, signs, amax_ptr, at: tuple, seqlen: Int32,
                   n_block: Int32, tidx: Int32, warp: Int32, lane: Int32):
-        """``at``: (head, batch, offset) -- where this CTA's sequence lies (``row``)."""
+        """``at``: (head, batch, offset[, output offset]) -- where this CTA's sequence lies
+        (``row``)."""
         if cutlass.const_expr(self.phase == "amax"):
             self.amax_rows(mX, signs, amax_ptr, at, seqlen, n_block, warp, lane)
         elif cutlass.const_expr(self.transpose and self.varlen):
@@ -126,7 +133,7 @@ class QuantizeSm90:
     def row(self, mT: cute.Tensor, n: Int32, at: tuple) -> cute.Tensor:
         """Token n of this CTA's sequence and head: of (N, d, H, B), or of packed (T, d, H) at
         the sequence's offset."""
-        head, batch, offset = at
+        head, batch, offset = at[:3]
         if cutlass.const_expr(self.varlen):
             return mT[offset + n, None, head]
         return mT[n, None, head, batch]
@@ -260,24 +267,30 @@ class QuantizeSm90:
         shared with a neighbouring CTA -- of this sequence, or of the next with another scale:
         only a chunk wholly this CTA's goes out as one 16-byte store, any other byte by byte,
         this CTA's tokens only, so no two CTAs ever write the same byte."""
-        head, _, offset = at
+        head, _, offset = at[:3]
+        # Output positions: the input's (natural packed order), or with ``v_aligned`` the
+        # sequence's own 16-aligned start -- then every chunk of [lo, end) is this CTA's alone and
+        # goes out whole, the tail of the last one as zeros.
+        out_offset = at[3] if cutlass.const_expr(self.cfg.v_aligned) else offset
         scale = self.scale_of(amax_ptr)
         sT = self.v_tile()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
-        lo = offset + n_block * self.rows
-        hi = offset + cutlass.min(n_block * self.rows + self.rows, seqlen)
+        lo = out_offset + n_block * self.rows
+        hi = out_offset + cutlass.min(n_block * self.rows + self.rows, seqlen)
         base = lo // 16 * 16
         for r in cutlass.range(self.tile_rows // NUM_WARPS, unroll=1):
             row = r * NUM_WARPS + warp
             t = base + row
-            self.stage_row(mX, t - offset, t >= lo and t < hi, at, sT, row, scale, lane)
+            self.stage_row(mX, t - out_offset, t >= lo and t < hi, at, sT, row, scale, lane)
         cute.arch.barrier()
         # The padding T .. T_pad - 1 (zeros) is written by the CTA holding token T - 1 rather
         # than filled by the launcher: no extra launch for a strided sliver, and the last chunk
         # stays one 16-byte store. One CTA per head holds it (the CTAs' ranges are disjoint);
         # T = cu[S], which the op checks (``fp8_ops.check_cu_data``) before any launch.
         end = cutlass.select_(hi == mX.shape[0], mOut.shape[0], hi)
+        if cutlass.const_expr(self.cfg.v_aligned):
+            end = (hi + 15) // 16 * 16
         chunks = self.tile_rows // 16
         items = self.hdim * chunks
         for i in cutlass.range((items + self.num_threads - 1) // self.num_threads, unroll=1):
