@@ -3,7 +3,8 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# (The backward switches of session 4 were measured in session 5 and settled: docs/notes.md.)
+# (The backward switches of session 4 were measured in session 5 and settled; session 6 queued new
+# ones -- part bwdtune -- and fp8_ops.RELAYOUT_V_KERNEL, whose tests are in part fp8tests.)
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
