@@ -224,8 +224,10 @@ class QuantizeSm90:
         cute.autovec_copy(q8, cute.local_tile(sT[row, None], (self.per_lane,), (lane,)))
 
     def v_tile(self):
-        # Token-contiguous columns (the 16-token reads below), padded by 4 bytes so the 32 lanes
-        # writing one row (lane l at column l * E) fall in different banks.
+        # Token-contiguous columns (the 16-token reads below), padded by 4 bytes. (Lane l writes
+        # columns l * E .. l * E + E - 1 of a row, (rows + 4) bytes apart: at E = 2 / 4 / 8 the
+        # 32 lanes share 16 / 8 / 4 banks -- 2- to 8-way conflicts on these byte stores, a known
+        # cost of the quantize kernels not yet removed.)
         return SmemAllocator().allocate_tensor(cutlass.Float8E4M3FN, self.smem_layout(), 16)
 
     @cute.jit
