@@ -29,8 +29,9 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=c, v
              for c in (False, True)]
 
 # Packed sequences (natural V order, a domain offset on V's token mode) and packed GQA (decode).
-VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, varlen=True)
-             for d in (64, 128, 256) for c in (False, True)]
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "causal", local=m == "local",
+                              varlen=True)
+             for d in (64, 128, 256) for m in ("plain", "causal", "local")]
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, pack_gqa=p)
              for d, c, p in ((64, False, 8), (128, True, 4), (256, False, 8))]
 
@@ -305,8 +306,11 @@ def test_callers_dense_e4m3_v_is_relaid_into_the_kernel_order_and_matches_the_re
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal,hkv", [(64, True, 2), (128, False, 4), (128, True, 1), (256, False, 2)])
-def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv: int) -> None:
+@pytest.mark.parametrize("d,causal,hkv,window", [(64, True, 2, (-1, -1)), (128, False, 4, (-1, -1)),
+                                                 (128, True, 1, (-1, -1)), (256, False, 2, (-1, -1)),
+                                                 (128, False, 2, (100, 20))])
+def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv: int,
+                                                       window: tuple[int, int]) -> None:
     """Packed sequences of unequal lengths that are not multiples of 16 (V re-laid so each starts
     16-aligned; boxes run into the next sequence's keys), an empty query sequence, more queries
     than keys (causal rows with no key: 0 and LSE -inf), per-(sequence, kv head) descales;
@@ -334,11 +338,11 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     lse = torch.full((h, q8.shape[0]), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
     v_store, cu_v = v_varlen_aligned(v8, cu_k)
-    run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
+    run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, window_size=window,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
     torch.cuda.synchronize()
     ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
-                                            causal=causal)
+                                            causal=causal, window_size=window)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
