@@ -52,6 +52,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if fp8 or q.dtype == fp8_ops.FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
+        _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
         out, lse = fp8_ops.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size,
                                          descales=(q_descale, k_descale, v_descale), quantize=fp8)
@@ -98,6 +99,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if fp8 or q.dtype == fp8_ops.FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
+        _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
         out, lse = fp8_ops.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                                 window_size=window_size,

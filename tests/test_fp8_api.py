@@ -199,6 +199,10 @@ def test_varlen_fp8_refuses_bad_input_before_running() -> None:
         flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, mq, mk, fp8=True)
     with pytest.raises(ValueError, match="max_seqlen"):
         flash_attn_varlen_func(q.detach(), k, v, cu_q, cu_k, mq, 2, fp8=True)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, mq, mk, window_size=(-3, 0))
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q8[None], k8[None], v8[None], window_size=(0, -7))
 
 
 def test_torch_compile_traces_the_varlen_fp8_path() -> None:
