@@ -125,6 +125,9 @@ class BwdSm90Config(jit.KernelConfig):
     # uses stmatrix + TMA stores; ours ran ~900 instructions per thread after the loop vs its
     # 182-265). Compiled, not yet measured: off.
     dkv_stmatrix: bool = False
+    # Postprocess: dQ through smem (stmatrix in, 16-byte row stores out) instead of 2- / 4-byte
+    # stores from the fragment order (flash-attn-4 stages it too). Compiled, not measured: off.
+    post_stage_smem: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -189,6 +192,10 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
             raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
                              "two warpgroups) needs d = 128, no softcap (it spills 37 registers)")
+        if self.post_stage_smem and (self.hdim not in (64, 128, 256) or self.tile_m == 80):
+            # (The stmatrix copy does not partition the 96- / 192-column swizzled tiles; the 80-row
+            # dQ^T tile keeps its direct stores.)
+            raise ValueError("sm90 backward: post_stage_smem needs d in (64, 128, 256), tile_m 64 / 128")
         if self.tile_m == 80 and self.ds_stmatrix and (self.causal or self.local or self.deterministic):
             raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
                              "deterministic mode (they spill / serialise the wgmmas)")
@@ -219,7 +226,7 @@ class BwdSm90Config(jit.KernelConfig):
 
     def post(self) -> BwdSm90PostConfig:
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,
-                                 varlen=self.varlen)
+                                 varlen=self.varlen, stage_smem=self.post_stage_smem)
 
     def fake_args(self) -> tuple:
         """The sm80 main backward's arguments (``bwd.bwd_main_fake_args``)."""
@@ -234,6 +241,7 @@ class BwdSm90PostConfig(jit.KernelConfig):
     hdim: int = 128
     tile_m: int = 64
     varlen: bool = False
+    stage_smem: bool = False  # ``BwdSm90Config.post_stage_smem``
 
     kernel_name = "bwd_post_sm90"
 

@@ -36,12 +36,14 @@ for p in "${parts[@]}"; do
     bwdtune)
       # Issue 4 (d = 64 / 128 vs flash-attn-4), the switches of session 6 (docs/notes.md): the
       # statistics read under the S^T / dP^T wgmmas, the dQ writer issuing both chunks before
-      # waiting, PDL after the preprocess, stmatrix dK / dV, FA4's 80-row tile with stmatrix dS.
+      # waiting, PDL after the preprocess, stmatrix dK / dV, dQ postprocess staged through smem,
+      # FA4's 80-row tile with stmatrix dS.
       # Each variant is one compile per (d, causal): BWD_TUNE_HDIMS picks the head dims (one per
       # call fits the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
         --seqlen 2048 16384 --causal 0 1 --variant "prefetch_stats=1" "dq_writer_batch=1" "pdl=1" \
-        "dkv_stmatrix=1" "prefetch_stats=1,dq_writer_batch=1,pdl=1,dkv_stmatrix=1" "tile_m=80,ds_stmatrix=1" \
+        "dkv_stmatrix=1" "post_stage_smem=1" "prefetch_stats=1,dq_writer_batch=1,pdl=1,dkv_stmatrix=1,post_stage_smem=1" \
+        "tile_m=80,ds_stmatrix=1" \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;

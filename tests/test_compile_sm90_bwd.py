@@ -143,6 +143,22 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int) -> None:
+    """``post_stage_smem``: dQ leaves through stmatrix and 16-byte global stores only."""
+    cfg = BwdSm90Config(target="sm_90a", hdim=d, post_stage_smem=True).post()
+    _, cubin = jit.compile_artifacts(cfg)
+    if ins.tools_dir() is None:
+        pytest.skip("no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "post.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = ins.disassemble(path) or ""
+    stores = re.findall(r"STG\.E(?:\.\w+)*", sass)
+    assert "STSM" in sass and stores and set(stores) == {"STG.E.128"}, set(stores)
+
+
 def test_sm90_bwd_postprocess_compiles() -> None:
     ptx, _ = jit.compile_artifacts(VARIANTS[0].post())
     assert _count(ptx, "ld.global") > 0 and _count(ptx, "st.global") > 0
@@ -167,6 +183,9 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=128, softcap=True, prefetch_stats=True)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, ds_stmatrix=True, causal=True)
+    for kw in (dict(hdim=96), dict(hdim=192), dict(hdim=128, tile_m=80)):
+        with pytest.raises(ValueError):
+            BwdSm90Config(target="sm_90a", post_stage_smem=True, **kw)
 
 
 def _hopper() -> bool:
@@ -239,7 +258,8 @@ def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(ca
 CANDIDATE_SWITCHES = {
     "prefetch-stats": dict(prefetch_stats=True), "dq-writer-batch": dict(dq_writer_batch=True),
     "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
-    "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True)}
+    "post-stage-smem": dict(post_stage_smem=True),
+    "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 
 @pytest.mark.gpu
