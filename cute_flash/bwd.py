@@ -19,7 +19,7 @@ import cutlass
 import torch
 
 from cute_flash import jit
-from cute_flash.fwd import SUPPORTED_HDIMS, normalize_window
+from cute_flash.fwd import SUPPORTED_HDIMS, max_seqlen, normalize_window
 
 
 @dataclass(frozen=True)
@@ -314,15 +314,9 @@ def problem_extents(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor
                     max_seqlen_k: int | None) -> tuple[int, int, int, int]:
     """(batches, query rows of the tensors, longest query sequence, longest key sequence)."""
     if cu_seqlens_q is not None:
-        return (cu_seqlens_q.shape[0] - 1, q.shape[0], _max_seqlen(cu_seqlens_q, max_seqlen_q),
-                _max_seqlen(cu_seqlens_k, max_seqlen_k))
+        return (cu_seqlens_q.shape[0] - 1, q.shape[0], max_seqlen(cu_seqlens_q, max_seqlen_q),
+                max_seqlen(cu_seqlens_k, max_seqlen_k))
     return q.shape[0], q.shape[1], q.shape[1], k.shape[1]
-
-
-def _max_seqlen(cu: torch.Tensor, given: int | None) -> int:
-    if given is not None:
-        return int(given)
-    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
 BWD_KERNEL_ENV = "CUTE_FLASH_BWD_KERNEL"

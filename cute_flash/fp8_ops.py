@@ -272,6 +272,24 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
 # ---------------------------------------------------------------------------------------------
 # The flash_attn_func path
 # ---------------------------------------------------------------------------------------------
+def _check_quantize_inputs(q: Tensor, k: Tensor, v: Tensor, descales: tuple[Tensor | None, ...]) -> None:
+    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout)."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError("q, k, v must share a dtype")
+    if any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("fp8=True is forward-only: the inputs must not require grad")
+    if any(x is not None for x in descales):
+        raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
+
+
+def _descales_or_ones(descales: tuple[Tensor | None, ...], shape: tuple[int, int],
+                      device: torch.device) -> list[Tensor]:
+    """The caller's descales, a missing one meaning 1 (FA3's convention)."""
+    return [x if x is not None else torch.ones(shape, dtype=torch.float32, device=device) for x in descales]
+
+
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None, causal: bool,
                   window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
                   seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -279,21 +297,14 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
     ``quantize``, bf16 / fp16 inputs quantized with the Hadamard rotation first (output in their
     dtype; e4m3 inputs give bf16)."""
     if quantize:
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
-        if any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("fp8=True is forward-only: the inputs must not require grad")
-        if any(x is not None for x in descales):
-            raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
+        _check_quantize_inputs(q, k, v, descales)
         check_heads(q, k, v)
         out_dtype = q.dtype
         # V straight into the kernel's token order: P then needs no exchange between lanes.
         q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed), True)
     else:
         shape = (q.shape[0], k.shape[2]) if q.dim() == 4 and k.dim() == 4 else (1, 1)
-        ds = [x if x is not None else torch.ones(shape, dtype=torch.float32, device=q.device)
-              for x in descales]
-        out_dtype = torch.bfloat16
+        ds, out_dtype = _descales_or_ones(descales, shape, q.device), torch.bfloat16
         check_fp8_inputs(q, k, v, tuple(ds))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.cute_flash.fwd_fp8(q, k, v, *ds, float(scale), bool(causal), int(window_size[0]),
@@ -307,14 +318,7 @@ def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     """``fp8_attention`` on packed sequences (``flash_attn_varlen_func``): descales per (sequence,
     kv head), (num_seqs, H_kv)."""
     if quantize:
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
-        if any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("fp8=True is forward-only: the inputs must not require grad")
-        if any(x is not None for x in descales):
-            raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
-        if q.dtype != k.dtype or k.dtype != v.dtype:
-            raise TypeError("q, k, v must share a dtype")
+        _check_quantize_inputs(q, k, v, descales)
         check_heads_varlen(q, k, v)
         from cute_flash import validate
 
@@ -328,9 +332,7 @@ def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
         cu = cu_seqlens_q
         num_seqs = cu.shape[0] - 1 if isinstance(cu, Tensor) and cu.dim() == 1 else 1
         shape = (num_seqs, k.shape[1]) if k.dim() == 3 else (1, 1)
-        ds = [x if x is not None else torch.ones(shape, dtype=torch.float32, device=q.device)
-              for x in descales]
-        out_dtype = torch.bfloat16
+        ds, out_dtype = _descales_or_ones(descales, shape, q.device), torch.bfloat16
     check_fp8_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                             tuple(ds))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

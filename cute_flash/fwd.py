@@ -98,6 +98,13 @@ def fwd_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool) -> tuple:
     return (q, k, v, o, lse, cu_q, cu_k, *scalars, jit.fake_stream())
 
 
+def max_seqlen(cu: torch.Tensor, given: int | None) -> int:
+    """The longest sequence of packed inputs: ``given``, or read from cu_seqlens (a host sync)."""
+    if given is not None:
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
 def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, bool, int, int]:
     """(causal, local, left, right) as the kernel wants them: -1 means unbounded on that side;
     a causal mask is the window (left, 0); a window unbounded on both sides is no window."""
@@ -186,11 +193,7 @@ def run_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     varlen = cu_seqlens_q is not None
     cfg = fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen, config_cls=config_cls)
     fn = jit.compile_kernel(cfg)
-    if varlen:
-        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
-            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    else:
-        mq = q.shape[1]
+    mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q.shape[1]
     # Families may take more runtime arguments after the shared ones (sm90: a tile counter).
     launch_args = getattr(cfg, "launch_args", None)
     extra = launch_args(q.device) if launch_args else ()

@@ -182,7 +182,7 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     config fields (tile sizes, switches) for tuning."""
     import torch
 
-    from cute_flash.fwd import normalize_window
+    from cute_flash.fwd import max_seqlen, normalize_window
 
     if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
         raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
@@ -213,11 +213,7 @@ def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softma
     cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
                            causal=causal, local=local, v_perm=v_perm, varlen=varlen, **overrides)
     fn = jit.compile_kernel(cfg)
-    if varlen:
-        mq = int(max_seqlen_q) if max_seqlen_q is not None else int(
-            (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    else:
-        mq = q8.shape[1]
+    mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q8.shape[1]
     # The tile counter: zeroed per launch for a dynamic persistent grid, else a cached placeholder.
     (counter,) = cfg.launch_args(q8.device)
     fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,

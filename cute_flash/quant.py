@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import cutlass
 import torch
 
-from cute_flash import jit
+from cute_flash import jit, validate
 from cute_flash.fp8_ops import FP8_HDIMS as QUANT_HDIMS  # powers of two (Walsh-Hadamard), d / 32 lanes
 from cute_flash.fp8_ops import check_heads
 from cute_flash.fp8_ref import E4M3_MAX, hadamard_signs
@@ -174,20 +174,14 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v must be on one device")
-    num_seqs = None
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1 or not cu.is_contiguous():
-            raise ValueError(f"{name} must be contiguous 1-D of length S + 1, got shape {tuple(cu.shape)}")
         if cu.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
-        if num_seqs is not None and cu.shape[0] - 1 != num_seqs:
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
-                             f"{num_seqs} and {cu.shape[0] - 1}")
-        num_seqs = cu.shape[0] - 1
+    validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                              max_seqlen_k, check_data=False)
+    num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs > 65535:
         raise ValueError(f"quantize: at most 65535 sequences (the grid's z extent), got {num_seqs}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
