@@ -661,38 +661,36 @@ class FlashBwdSm90:
             head, m_block = self.work_item(work, it)
             gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
                                            self.hdim)
-            if cutlass.const_expr(self.cfg.dq_writer_batch):
-                # Every warpgroup's chunk issued as soon as it is handed over, then each released
-                # as the copy engine finishes reading it (oldest first): the second chunk does not
-                # wait for the first one's smem read (flash-attn-4's writer).
-                for wg in cutlass.range_constexpr(num_wg):
-                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
-                    if lane == 0:
-                        bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half,
-                                                     smem.sdQ.iterator + wg * half, half * 4)
-                        cute.arch.cp_async_bulk_commit_group()
+            # The smem half may be rewritten once the copy engine has read it. ``dq_writer_batch``:
+            # every warpgroup's chunk is issued as soon as it is handed over and each released as
+            # it is read (oldest first), so the second does not wait for the first one's read
+            # (flash-attn-4's writer); else each is waited for right after its issue.
+            batch = self.cfg.dq_writer_batch
+            for wg in cutlass.range_constexpr(num_wg):
+                cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
+                if lane == 0:
+                    bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half, smem.sdQ.iterator + wg * half,
+                                                 half * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(not batch):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(not batch):
+                    self.release_dq_chunk(wg, it, total)
+            if cutlass.const_expr(batch):
                 for wg in cutlass.range_constexpr(num_wg):
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(num_wg - 1 - wg, read=True)
-                    cute.arch.sync_warp()
-                    if it + 1 < total:
-                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
-                                                 number_of_threads=DQ_HANDOFF_THREADS)
-            else:
-                for wg in cutlass.range_constexpr(num_wg):
-                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
-                    if lane == 0:
-                        bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half,
-                                                     smem.sdQ.iterator + wg * half, half * 4)
-                        cute.arch.cp_async_bulk_commit_group()
-                        # The smem half may be rewritten once the copy engine has read it.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.sync_warp()
-                    if it + 1 < total:
-                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
-                                                 number_of_threads=DQ_HANDOFF_THREADS)
+                    self.release_dq_chunk(wg, it, total)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def release_dq_chunk(self, wg: int, it: Int32, total: Int32):
+        """Hand warpgroup ``wg``'s smem dQ chunk back (it has been read), unless this was the last
+        query block."""
+        cute.arch.sync_warp()
+        if it + 1 < total:
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def store_dq(self, ctx, acc_dQ, head: Int32, m_block: Int32):
