@@ -319,21 +319,17 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
 
     import torch
 
-    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_ref, v_varlen_aligned
+    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_varlen_ref, v_varlen_aligned
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
     torch.manual_seed(11)
     lens_q, lens_k = [300, 1, 0, 129, 77], [517, 40, 9, 129, 33]
     h = 4
-    parts = [quantize_qkv_ref(*(torch.randn(1, n, heads, d, device="cuda") for n, heads in ((a, h), (b, hkv),
-                                                                                           (b, hkv))),
-                              rotate_qk=True, seed=3)
-             for a, b in zip(lens_q, lens_k, strict=True)]
-    q8, k8, v8 = (torch.cat([p[i][0].view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
-                  for i in range(3))
-    qd, kd, vd = (torch.cat([p[i] for p in parts]) for i in range(3, 6))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for x in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), h, d, device="cuda")
+    k, v = (torch.randn(sum(lens_k), hkv, d, device="cuda") for _ in range(2))
+    q8, k8, v8, qd, kd, vd = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k, rotate_qk=True, seed=3)
     out = torch.full((q8.shape[0], h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((h, q8.shape[0]), float("nan"), device="cuda")
     scale = 1.0 / math.sqrt(d)
