@@ -600,18 +600,22 @@ def _lookup_kernel(name: str, table: dict[str, Any]) -> Any:
     return None
 
 
+def cubin_sass_and_usage(cubin: bytes) -> tuple[str | None, dict[str, dict[str, int]]]:
+    """(SASS text or None without cuobjdump, per-function resource usage) of a cubin in memory."""
+    with tempfile.TemporaryDirectory(prefix="cute_flash_cubin_") as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return disassemble(path), resource_usage(path)
+
+
 def report_config(cfg: jit.KernelConfig, compiled: Compiled,
                   dump_dir: str | None = None) -> list[KernelReport]:
     """Per-function reports of one compiled config; optionally writes PTX/SASS/log to ``dump_dir``."""
     ptx_funcs = ptx_instructions(compiled.ptx)
     threads = ptx_threads(compiled.ptx)
     remarks = parse_ptxas_remarks(compiled.log)
-    with tempfile.TemporaryDirectory(prefix="cute_flash_cubin_") as tmp:
-        cubin_path = os.path.join(tmp, "k.cubin")
-        with open(cubin_path, "wb") as f:
-            f.write(compiled.cubin)
-        sass = disassemble(cubin_path)
-        res = resource_usage(cubin_path)
+    sass, res = cubin_sass_and_usage(compiled.cubin)
     sass_funcs = sass_opcodes(sass) if sass else {}
 
     if dump_dir:

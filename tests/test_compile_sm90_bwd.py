@@ -4,9 +4,7 @@ rule."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 
 import pytest
 
@@ -108,12 +106,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert re.search(rs, ptx), "no register-A (RS) wgmma for dK / dV"
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump: cubin resource usage not checked")
-    with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_bwd_") as tmp:
-        path = os.path.join(tmp, "bwd_sm90.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        usage = ins.resource_usage(path)
-        sass = ins.disassemble(path) or ""
+    sass, usage = ins.cubin_sass_and_usage(cubin)
+    sass = sass or ""
     # No spills, except softcap at d = 128 with 2-byte dS stores (the old schedule): its 1 - tanh^2
     # factor costs 7 spill stores at this register budget, where dK, dV, S^T, dP^T are 192 of the
     # 240 -- bounded so a real regression still fails.
@@ -150,11 +144,7 @@ def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int) ->
     _, cubin = jit.compile_artifacts(cfg)
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "post.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = ins.disassemble(path) or ""
+    sass = ins.cubin_sass_and_usage(cubin)[0] or ""
     stores = re.findall(r"STG\.E(?:\.\w+)*", sass)
     assert "STSM" in sass and stores and set(stores) == {"STG.E.128"}, set(stores)
 

@@ -7,9 +7,7 @@ so the ping-pong / overlap switches can be set) matches the fp32 reference.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 
 import pytest
 
@@ -110,12 +108,8 @@ def test_sm90_fwd_compiles(cfg: FwdSm90Config) -> None:
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump: cubin resource usage not checked")
-    with tempfile.TemporaryDirectory(prefix="cute_flash_sm90_") as tmp:
-        path = os.path.join(tmp, "fwd_sm90.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        usage = ins.resource_usage(path)
-        sass = ins.disassemble(path) or ""
+    sass, usage = ins.cubin_sass_and_usage(cubin)
+    sass = sass or ""
     assert usage, "cuobjdump -res-usage reported no function"
     for fn, res in usage.items():
         assert res.get("LOCAL", 0) == 0, f"{fn}: {res['LOCAL']} B of local memory (spills)"

@@ -5,9 +5,7 @@ two fragments' thread-value layouts)."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 
 import pytest
 
@@ -59,12 +57,8 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
     assert idx < exchange if cfg.v_perm else idx >= exchange, idx
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "fwd_fp8.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        usage = ins.resource_usage(path)
-        sass = ins.disassemble(path) or ""
+    sass, usage = ins.cubin_sass_and_usage(cubin)
+    sass = sass or ""
     for fn, res in usage.items():
         assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, f"{fn}: spills {res}"
     if sass:
@@ -75,11 +69,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
             per_body = 2 * cfg.tile_n // 4
             plain = FwdSm90Fp8Config(**{**cfg.__dict__, "exp2_emu": 0})
             _, cubin0 = jit.compile_artifacts(plain)
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "plain.cubin")
-                with open(path, "wb") as f:
-                    f.write(cubin0)
-                sass0 = ins.disassemble(path) or ""
+            sass0 = ins.cubin_sass_and_usage(cubin0)[0] or ""
             saved = sass0.count("MUFU.EX2") - sass.count("MUFU.EX2")
             assert saved > 0 and saved % (per_body // cfg.exp2_emu) == 0, saved
         assert sass.count("WARPGROUP.DEPBAR") <= 8, "wgmma serialised?"
