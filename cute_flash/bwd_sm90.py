@@ -57,6 +57,21 @@ SM90_BWD_SOFTCAP_HDIMS = (96, 128, 192, 256)
 SM90_BWD_SOFTCAP_GPU_CHECKED = (96, 128, 192, 256)
 # Head dims that have passed the GPU suite (a new one stays forced-only until it has).
 SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
+# The session-6 switches (after flash-attn-4's backward), measured on the H200 in session 7
+# (``scripts/tune_bwd_sm90.py``, N = 2k / 8k / 16k, TFLOP/s; docs/notes.md) and on where they won.
+# Keyed by (d, masked), masked = causal or a window; anything not listed keeps the switch off.
+# - PDL everywhere: the main kernel's launch and K / V loads overlap the preprocess (+1-4% at 2k).
+# - dQ postprocess staged through smem where it partitions (d 64 / 128 / 256): +4-6% at 2k.
+# - d = 128 non-causal also reads LSE2 / D under the wgmmas and batches the dQ writer, with
+#   stmatrix dK / dV: 492 / 578 / 575 -> 532 / 595 / 600. Causal keeps the statistics after the
+#   waits (prefetching cost 1-2%): 410 / 521 / 575 -> 438 / 529 / 576.
+# - d = 64: the batched writer and stmatrix dK / dV only non-causal (443 / 501 / 508 ->
+#   448 / 513 / 518; causal they lost 3-5% at 8k / 16k).
+SM90_BWD_PDL = True
+SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
+SM90_BWD_PREFETCH_STATS = {(128, False)}
+SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
+SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -108,26 +123,23 @@ class BwdSm90Config(jit.KernelConfig):
     # Grid walked longest CTA first within L2-sized head groups (``FlashBwdSm90.longest_first``;
     # None = on for causal without varlen or deterministic mode, whose order it would break).
     lpt: bool | None = None
+    # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
-    # their waits (flash-attn-4's order; session 6 SASS comparison). Compiled without spills, not
-    # yet measured on a GPU: off.
-    prefetch_stats: bool = False
+    # their waits (flash-attn-4's order). Not with softcap (no registers left).
+    prefetch_stats: bool | None = None
     # dQ writer warp: issue both warpgroups' reduce-adds, then release each chunk as it is read,
-    # instead of waiting for the first chunk's read before taking the second (flash-attn-4's
-    # writer; session 6 SASS comparison). Compiled, not yet measured: off.
-    dq_writer_batch: bool = False
+    # instead of waiting for the first chunk's read before taking the second (flash-attn-4's writer).
+    dq_writer_batch: bool | None = None
     # Programmatic dependent launch: the main kernel may start while the preprocess still runs --
     # CTA launch, barrier init and the K / V loads overlap its tail -- and waits (griddepcontrol)
     # before it reads LSE2 / D or adds into the zeroed dQ accumulator (flash-attn-4 does this).
-    # Compiled, not yet measured: off.
-    pdl: bool = False
-    # Narrow kernel epilogue: dK / dV to smem by stmatrix instead of 2-byte stores (flash-attn-4
-    # uses stmatrix + TMA stores; ours ran ~900 instructions per thread after the loop vs its
-    # 182-265). Compiled, not yet measured: off.
-    dkv_stmatrix: bool = False
+    pdl: bool | None = None
+    # Narrow kernel epilogue: dK / dV to smem by stmatrix instead of 2-byte stores (ours ran ~900
+    # instructions per thread after the loop vs flash-attn-4's 182-265).
+    dkv_stmatrix: bool | None = None
     # Postprocess: dQ through smem (stmatrix in, 16-byte row stores out) instead of 2- / 4-byte
-    # stores from the fragment order (flash-attn-4 stages it too). Compiled, not measured: off.
-    post_stage_smem: bool = False
+    # stores from the fragment order (flash-attn-4 stages it too).
+    post_stage_smem: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -156,6 +168,7 @@ class BwdSm90Config(jit.KernelConfig):
             if self.smem_bytes() > SM90_SMEM_BYTES:
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
+        self._resolve_switches(narrow)
         if self.prefetch_stats and (self.softcap or not narrow):
             # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128); the wide
             # kernel (d >= 192) has its own loop.
@@ -199,6 +212,18 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_m == 80 and self.ds_stmatrix and (self.causal or self.local or self.deterministic):
             raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
                              "deterministic mode (they spill / serialise the wgmmas)")
+
+    def _resolve_switches(self, narrow: bool) -> None:
+        # (The 80-row tile keeps its own measured schedule: none of these were timed with it.)
+        key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
+        auto = dict(pdl=SM90_BWD_PDL,
+                    post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
+                    prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
+                    dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
+                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow)
+        for name, value in auto.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""

@@ -24,10 +24,9 @@ FP8_HDIMS = (64, 128, 256)
 # Re-lay V for the FP8 kernels with the V quantize kernel at scale 1 (``quant.relayout_v`` for a
 # caller's dense e4m3 V, ``quant.relayout_v_varlen`` for every packed V; 16-byte stores) instead of
 # torch byte gathers, which measured ~90 GB/s: at B = 8, N = 2k, d = 128 the caller-V FP8 forward
-# ran at 363 TFLOP/s against 735-756 with quantize_qkv's V, and varlen at 265. Compiled and
-# CPU-checked, the GPU tests (tests/test_quant.py, bit-exact vs fp8_ref) written but not yet run:
-# switch on once they pass.
-RELAYOUT_V_KERNEL = False
+# ran at 363 TFLOP/s against 735-756 with quantize_qkv's V, and varlen at 265. Bit-exact vs
+# fp8_ref on the H200 (tests/test_quant.py, session 7); False falls back to the torch gathers.
+RELAYOUT_V_KERNEL = True
 
 
 # ---------------------------------------------------------------------------------------------

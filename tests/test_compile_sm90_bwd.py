@@ -46,24 +46,31 @@ VARIANTS = [
     for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
                            (256, True, True, True), (96, True, False, True), (192, False, True, True))
 ] + [
-    # LSE2 / D read into registers under the S^T / dP^T wgmmas (off by default until measured).
+    # LSE2 / D read into registers under the S^T / dP^T wgmmas (default only at d = 128 non-causal).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
     for d, c, sc in ((64, False, False), (64, True, False), (128, False, False), (128, True, False),
                      (96, True, False))
 ] + [
-    # The dQ writer issuing both warpgroups' reduce-adds before waiting (off by default).
+    # The dQ writer issuing both warpgroups' reduce-adds before waiting (default at d = 128, d = 64
+    # non-causal).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, dq_writer_batch=True, prefetch_stats=pf)
     for d, c, pf in ((64, False, True), (128, True, False), (256, False, False))
 ] + [
-    # Programmatic dependent launch after the preprocess (off by default).
+    # Programmatic dependent launch after the preprocess (the default everywhere).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, pdl=True)
     for d, c, det in ((64, True, False), (128, False, False), (128, True, True), (256, True, False))
 ] + [
-    # FA4's d = 128 non-causal tile with stmatrix dS (one 8x8 tile per instruction; off by default).
+    # FA4's d = 128 non-causal tile with stmatrix dS (one 8x8 tile per instruction; off: it lost to
+    # the 64-row tile with the other switches on).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, ds_stmatrix=True, varlen=vl)
     for vl in (False, True)
 ] + [
-    # dK / dV to smem by stmatrix (off by default).
+    # The schedule before session 7's switches (each one off; still reachable through overrides).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, pdl=False, post_stage_smem=False,
+                  prefetch_stats=False, dq_writer_batch=False, dkv_stmatrix=False)
+    for d, c in ((64, False), (128, False), (256, True))
+] + [
+    # dK / dV to smem by stmatrix (default at d = 128, d = 64 non-causal).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, dkv_stmatrix=True)
     for d, c, vl in ((64, True, False), (96, False, True), (128, False, False), (128, True, True))
 ]
@@ -75,7 +82,8 @@ def _count(ptx: str, op: str) -> int:
 
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
-    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix")
+    names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
+             "post_stage_smem")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -243,8 +251,8 @@ def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(ca
     _check_gradients(case, overrides=switches)
 
 
-# The switches queued in session 6 (off by default until measured; docs/notes.md): each must keep
-# the gradients right before it can be measured and switched on.
+# The switches of session 6, measured in session 7 and now on where they won (docs/notes.md):
+# each one alone, and all together, must keep the gradients right wherever it compiles.
 CANDIDATE_SWITCHES = {
     "prefetch-stats": dict(prefetch_stats=True), "dq-writer-batch": dict(dq_writer_batch=True),
     "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
@@ -411,5 +419,6 @@ def test_sm90_bwd_with_pdl_waits_for_the_preprocess_in_every_role(deterministic:
     pre_ptx, _ = jit.compile_artifacts(cfg.pre())
     assert _count(pre_ptx, "griddepcontrol.launch_dependents") == 1
     assert _count(ptx, "griddepcontrol.wait") == (2 if cfg.deterministic else 3)
-    plain, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", hdim=128, deterministic=deterministic))
+    plain, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", hdim=128, deterministic=deterministic,
+                                                   pdl=False))
     assert "griddepcontrol" not in plain
