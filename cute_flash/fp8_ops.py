@@ -184,10 +184,13 @@ def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window
 # ---------------------------------------------------------------------------------------------
 # Packed sequences: cute_flash::quantize_qkv_varlen and cute_flash::varlen_fwd_fp8
 # ---------------------------------------------------------------------------------------------
-def _quant_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor) -> tuple[Tensor, ...]:
+def _quant_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, v_aligned: bool = False
+                       ) -> tuple[Tensor, ...]:
     t, hkv, d = k.shape
-    t_pad = (t + 15) // 16 * 16
-    v8 = torch.empty_strided(v.shape, (1, d * t_pad, t_pad), dtype=FP8, device=v.device)
+    # v_aligned: fp8_ref.varlen_v_offsets's bound, round16(T) + 16 S tokens.
+    t_pad = (t + 15) // 16 * 16 + (16 * (cu_q.shape[0] - 1) if v_aligned else 0)
+    shape = (t_pad, hkv, d) if v_aligned else tuple(v.shape)
+    v8 = torch.empty_strided(shape, (1, d * t_pad, t_pad), dtype=FP8, device=v.device)
     ds = [q.new_empty((cu_q.shape[0] - 1, hkv), dtype=torch.float32) for _ in range(3)]
     return (torch.empty_like(q, dtype=FP8, memory_format=torch.contiguous_format),
             torch.empty_like(k, dtype=FP8, memory_format=torch.contiguous_format), v8, *ds)
@@ -195,26 +198,27 @@ def _quant_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor) -> tuple[T
 
 @torch.library.custom_op("cute_flash::quantize_qkv_varlen", mutates_args=(), device_types="cpu")
 def quantize_qkv_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                           max_seqlen_q: int, max_seqlen_k: int, rotate: bool, seed: int
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           max_seqlen_q: int, max_seqlen_k: int, rotate: bool, seed: int,
+                           v_aligned: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q8, k8, v8, *ds = fp8_ref.quantize_qkv_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, rotate_qk=rotate,
                                                       seed=seed)
-    return q8.contiguous(), k8.contiguous(), fp8_ref.token_contiguous_varlen(v8), *ds
+    v8 = fp8_ref.v_varlen_aligned(v8, cu_seqlens_k)[0] if v_aligned else fp8_ref.token_contiguous_varlen(v8)
+    return q8.contiguous(), k8.contiguous(), v8, *ds
 
 
 @quantize_qkv_varlen_op.register_kernel("cuda")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed, v_aligned=False):
     from cute_flash.quant import quantize_qkv_varlen
 
     check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               rotate=rotate, seed=seed)
+                               rotate=rotate, seed=seed, v_aligned=v_aligned)
 
 
 @quantize_qkv_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed):
-    return _quant_varlen_fake(q, k, v, cu_seqlens_q)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed, v_aligned=False):
+    return _quant_varlen_fake(q, k, v, cu_seqlens_q, v_aligned)
 
 
 def _varlen_fwd_fp8_fake(q8: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -226,8 +230,13 @@ def _varlen_fwd_fp8_fake(q8: Tensor, out_dtype: torch.dtype) -> tuple[Tensor, Te
 def varlen_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                    max_seqlen_q: int, max_seqlen_k: int, q_descale: Tensor, k_descale: Tensor,
                    v_descale: Tensor, softmax_scale: float, causal: bool, window_left: int,
-                   window_right: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                   window_right: int, out_dtype: torch.dtype, v_aligned: bool = False
+                   ) -> tuple[Tensor, Tensor]:
+    """``v_aligned``: v8 is ``quantize_qkv_varlen(..., v_aligned=True)``'s V, already in the
+    kernel's layout."""
     check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if v_aligned:
+        v8 = fp8_ref.v_varlen_packed(v8, cu_seqlens_k, k8.shape[0])
     out, lse = fp8_ref.attention_fp8_varlen_ref(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
                                                 v_descale, softmax_scale=softmax_scale, causal=causal,
                                                 window_size=(window_left, window_right))
@@ -236,7 +245,7 @@ def varlen_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, cu_seqlens_q: Tensor, cu_
 
 @varlen_fwd_fp8.register_kernel("cuda")
 def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale,
-      softmax_scale, causal, window_left, window_right, out_dtype):
+      softmax_scale, causal, window_left, window_right, out_dtype, v_aligned=False):
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
     check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -248,8 +257,11 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
         # nothing is 0 with LSE -inf.
         return out.zero_(), lse.fill_(float("-inf"))
     # P V reads V with the tokens contiguous (K-major B operand), each sequence's from a 16-aligned
-    # start (TMA): one byte copy of V into that layout (natural token order).
-    if RELAYOUT_V_KERNEL:
+    # start (TMA): one byte copy of V into that layout (natural token order), unless quantize
+    # wrote it there.
+    if v_aligned:
+        v_store, cu_v = v8, fp8_ref.varlen_v_offsets(cu_seqlens_k, k8.shape[0])[0]
+    elif RELAYOUT_V_KERNEL:
         from cute_flash.quant import relayout_v_varlen
 
         v_store, cu_v = relayout_v_varlen(v8, cu_seqlens_k, max_seqlen_k)
@@ -264,7 +276,7 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
 
 @varlen_fwd_fp8.register_fake
 def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale,
-      softmax_scale, causal, window_left, window_right, out_dtype):
+      softmax_scale, causal, window_left, window_right, out_dtype, v_aligned=False):
     return _varlen_fwd_fp8_fake(q8, out_dtype)
 
 
@@ -324,17 +336,20 @@ def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
         validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                   max_seqlen_k, check_data=False)
         out_dtype = q.dtype
+        # V straight into the kernel's layout (each sequence 16-aligned): no re-layout after.
+        # (The e4m3 tensors are ours, built from inputs checked above.)
         q, k, v, *ds = torch.ops.cute_flash.quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                  int(max_seqlen_q), int(max_seqlen_k), True,
-                                                                 int(seed))
+                                                                 int(seed), True)
     else:
         cu = cu_seqlens_q
         num_seqs = cu.shape[0] - 1 if isinstance(cu, Tensor) and cu.dim() == 1 else 1
         shape = (num_seqs, k.shape[1]) if k.dim() == 3 else (1, 1)
         ds, out_dtype = _descales_or_ones(descales, shape, q.device), torch.bfloat16
-    check_fp8_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                            tuple(ds))
+        check_fp8_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                tuple(ds))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.cute_flash.varlen_fwd_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                int(max_seqlen_k), *ds, float(scale), bool(causal),
-                                               int(window_size[0]), int(window_size[1]), out_dtype)
+                                               int(window_size[0]), int(window_size[1]), out_dtype,
+                                               bool(quantize))

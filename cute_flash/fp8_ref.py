@@ -247,6 +247,16 @@ def v_varlen_aligned(v8: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torc
     return store.view(v8.dtype).permute(2, 0, 1), cu_v
 
 
+def v_varlen_packed(v_aligned: torch.Tensor, cu_seqlens_k: torch.Tensor, total: int) -> torch.Tensor:
+    """The inverse of ``v_varlen_aligned``: its (T_v, H_kv, d) view -> packed (T, H_kv, d)."""
+    cu_k = cu_seqlens_k.long()
+    cu_v, _ = varlen_v_offsets(cu_seqlens_k, total)
+    tok = torch.arange(total, device=v_aligned.device)
+    seq = torch.searchsorted(cu_k[1:], tok, right=True)
+    pos = tok - cu_k[seq] + cu_v.long()[seq]
+    return _bytes(v_aligned).index_select(0, pos).view(v_aligned.dtype)
+
+
 def attention_fp8_varlen_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
                              v_descale: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,11 +91,12 @@ class QuantizeConfig(jit.KernelConfig):
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
-                  varlen: bool = False) -> list[QuantizeConfig]:
+                  varlen: bool = False, v_aligned: bool = False) -> list[QuantizeConfig]:
     """Every kernel ``quantize_qkv`` (``varlen``: ``quantize_qkv_varlen``) launches: amax and quant
     phases for Q / K and for V."""
     return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
-                           v_perm=v_perm and tr and ph == "quant", varlen=varlen)
+                           v_perm=v_perm and tr and ph == "quant", varlen=varlen,
+                           v_aligned=v_aligned and tr and ph == "quant")
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 
@@ -192,13 +193,16 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 def quantize_qkv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                        rotate: bool = True, seed: int = 0) -> tuple[torch.Tensor, ...]:
+                        rotate: bool = True, seed: int = 0, v_aligned: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
     """``quantize_qkv`` on packed sequences, as ``fp8_ref.quantize_qkv_varlen_ref``: q (T_q, H, d),
     k, v (T_k, H_kv, d); sequence s is rows cu[s]:cu[s + 1] (int32 cu_seqlens, S + 1 entries,
     starting at 0, ending at T; ``max_seqlen_*`` at least the longest sequence -- not checked
     here, the op does it). Returns q8 (T_q, H, d), k8 (T_k, H_kv, d) contiguous e4m3, v8 a
     (T_k, H_kv, d) view over token-contiguous (H_kv, d, T_k_pad) storage (natural order, padding
-    zeroed), and fp32 (S, H_kv) descales, one scale per (sequence, kv head)."""
+    zeroed), and fp32 (S, H_kv) descales, one scale per (sequence, kv head). ``v_aligned``: v8 is
+    instead ``fp8_ref.v_varlen_aligned``'s (T_v, H_kv, d) view, every sequence from a 16-aligned
+    start -- the varlen FP8 kernel's V, written once instead of re-laid after."""
     num_seqs = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     d = q.shape[2]
@@ -208,22 +212,30 @@ def quantize_qkv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
     f8 = torch.float8_e4m3fn
     q8 = torch.empty(q.shape, device=q.device, dtype=f8)
     k8 = torch.empty(k.shape, device=q.device, dtype=f8)
-    # Not zeroed: every byte, the padding tokens T_k .. T_k_pad - 1 included, is written by the
-    # kernel (the CTA holding the last token writes the padding).
-    v_store = torch.empty(hkv, d, (tk + 15) // 16 * 16, device=q.device, dtype=f8)
-    cfgs = quant_configs(dtype, d, rotate, varlen=True)
+    cu_v = None
+    if v_aligned:
+        from cute_flash.fp8_ref import varlen_v_offsets
+
+        cu_v, t_v = varlen_v_offsets(cu_seqlens_k, tk)
+        # Zeroed: the slack past the last sequence's chunks (T_v is a bound) is not written.
+        v_store = torch.zeros(hkv, d, t_v, device=q.device, dtype=f8)
+    else:
+        # Not zeroed: every byte, the padding tokens T_k .. T_k_pad - 1 included, is written by
+        # the kernel (the CTA holding the last token writes the padding).
+        v_store = torch.empty(hkv, d, (tk + 15) // 16 * 16, device=q.device, dtype=f8)
+    cfgs = quant_configs(dtype, d, rotate, varlen=True, v_aligned=v_aligned)
     qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
-    q_args = (q, q8, amax[0], cu_seqlens_q, max_seqlen_q)
-    k_args = (k, k8, amax[1], cu_seqlens_k, max_seqlen_k)
-    v_args = (v, v_store, amax[2], cu_seqlens_k, max_seqlen_k)
+    q_args = (q, q8, amax[0], cu_seqlens_q, max_seqlen_q, None)
+    k_args = (k, k8, amax[1], cu_seqlens_k, max_seqlen_k, None)
+    v_args = (v, v_store, amax[2], cu_seqlens_k, max_seqlen_k, None)
     runs = ((qk_amax, q_args), (qk_amax, k_args), (v_amax, v_args),
-            (qk_quant, q_args), (qk_quant, k_args), (v_quant, v_args))
-    for fn, (x, out, a, cu, max_seqlen) in runs:
+            (qk_quant, q_args), (qk_quant, k_args), (v_quant, v_args[:-1] + (cu_v,)))
+    for fn, (x, out, a, cu, max_seqlen, cu_out) in runs:
         # A grid with no CTAs is no launch: with no (non-empty) sequence, nothing runs and the
         # descales stay 0.
         if num_seqs and max_seqlen:
-            fn(x, signs, a, out, cu, max_seqlen, None)
-    v8 = v_store[..., :tk].permute(2, 0, 1)
+            fn(x, signs, a, out, cu, max_seqlen, cu_out)
+    v8 = (v_store if v_aligned else v_store[..., :tk]).permute(2, 0, 1)
     return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
 
 

@@ -228,3 +228,22 @@ def test_opcheck_varlen_fp8_ops() -> None:
     torch.library.opcheck(torch.ops.cute_flash.varlen_fwd_fp8.default,
                           (q8, k8, v8, cu_q, cu_k, mq, mk, qd, kd, vd, 0.125, True, -1, 0, torch.bfloat16),
                           test_utils=utils)
+
+
+def test_opcheck_varlen_fp8_ops_with_v_in_the_kernel_layout() -> None:
+    """``v_aligned`` (the ``fp8=True`` path): quantize writes V with every sequence 16-aligned and
+    the attention op reads it as it is; the fake shapes (a bound on T_v) match the real ones."""
+    from cute_flash.fp8_ref import quantize_qkv_varlen_ref, v_varlen_aligned
+
+    utils = ("test_faketensor", "test_autograd_registration")
+    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
+    torch.library.opcheck(torch.ops.cute_flash.quantize_qkv_varlen.default,
+                          (q, k, v, cu_q, cu_k, mq, mk, True, 3, True), test_utils=utils)
+    q8, k8, v8, qd, kd, vd = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k)
+    v_al, _ = v_varlen_aligned(v8, cu_k)
+    args = (q8, k8, v_al, cu_q, cu_k, mq, mk, qd, kd, vd, 0.125, True, -1, 0, torch.bfloat16)
+    torch.library.opcheck(torch.ops.cute_flash.varlen_fwd_fp8.default, (*args, True), test_utils=utils)
+    # Same answer as from the packed V.
+    got = torch.ops.cute_flash.varlen_fwd_fp8(*args, True)
+    ref = torch.ops.cute_flash.varlen_fwd_fp8(q8, k8, v8, *args[3:])
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

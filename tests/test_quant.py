@@ -10,6 +10,7 @@ import re
 import pytest
 
 from cute_flash import jit
+from cute_flash.hopper.quant import ROWS_IN_FLIGHT
 from cute_flash.quant import QuantizeConfig, quant_configs
 
 
@@ -23,6 +24,9 @@ VARIANTS += [c for d in (64, 128, 256)
              for c in quant_configs("bf16", d, rotate=True, v_perm=True) if c.v_perm]
 VARIANTS += [c for d in (64, 128, 256) for c in quant_configs("bf16", d, rotate=True, varlen=True)]
 VARIANTS += quant_configs("fp16", 128, rotate=False, varlen=True)
+# The fp8=True varlen path's V: bf16 straight into the 16-aligned per-sequence layout.
+VARIANTS += [c for d in (64, 128, 256)
+             for c in quant_configs("bf16", d, rotate=True, varlen=True, v_aligned=True) if c.v_aligned]
 # A caller's e4m3 V re-laid out (scale 1), both token orders, and packed with 16-aligned starts.
 VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
                             v_perm=p) for d in (64, 128, 256) for p in (False, True)]
@@ -41,15 +45,23 @@ def _id(c: QuantizeConfig) -> str:
 def test_quantize_kernels_compile_with_shuffles_converts_and_no_local_memory(cfg: QuantizeConfig) -> None:
     ptx, _ = jit.compile_artifacts(cfg)
     lanes = cfg.hdim // 32
-    butterflies = 5 * lanes if cfg.rotate else 0  # 5 cross-lane stages, one shuffle per element
+    # 5 cross-lane stages, one shuffle per element, for each of the rows a warp has in flight.
+    butterflies = 5 * lanes * ROWS_IN_FLIGHT if cfg.rotate else 0
     reduce = 5 if cfg.phase == "amax" else 0  # the warp's max
     assert _count(ptx, r"shfl\.sync\.bfly") == butterflies + reduce
+    # Those rows' loads all issue before the first is used (latency: one row at a time left the
+    # memory system idle): ROWS_IN_FLIGHT loads of the input per loop body, before any convert.
+    body = ptx[ptx.index("$L__BB"):]
+    first_use = re.search(r"cvt\.f32\.(bf16|f16)", body)
+    if cfg.dtype != "e4m3":
+        loads = re.findall(r"ld\.global(?:\.nc)?(?:\.v\d)?\.(?:b|u)(?:16|32|64)", body[:first_use.start()])
+        assert len(loads) >= ROWS_IN_FLIGHT, "row loads issued back to back"
     if cfg.phase == "amax":
         assert _count(ptx, r"\b(atom|red)\.[a-z.]*max") == 1, "one atomic max per warp"
         assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2") == 0
     else:
         # Two fp32 values per convert, saturating at +-448 (e4m3 has no infinity).
-        assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == lanes // 2
+        assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == lanes // 2 * ROWS_IN_FLIGHT
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.transpose and cfg.phase == "quant":
         assert _count(ptx, r"st\.global\.v4\.(b|u)32") >= 1, "16-token stores of V^T"
@@ -212,7 +224,7 @@ def test_quantize_qkv_varlen_matches_the_reference_within_one_e4m3_step(d: int, 
     scales, byte stores) and the padding past T_k is the last token's CTA's to zero."""
     import torch
 
-    from cute_flash.fp8_ref import quantize_qkv_varlen_ref
+    from cute_flash.fp8_ref import quantize_qkv_varlen_ref, v_varlen_aligned
     from cute_flash.quant import quantize_qkv_varlen
 
     q, cu_q = _packed(lens_q, h, d, seed=5)
@@ -231,9 +243,17 @@ def test_quantize_qkv_varlen_matches_the_reference_within_one_e4m3_step(d: int, 
 
     monkeypatch.setattr(torch, "empty", nan_filled)
     got = quantize_qkv_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), rotate=True, seed=8)
+    aligned = quantize_qkv_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), rotate=True, seed=8,
+                                  v_aligned=True)
     monkeypatch.undo()
     ref = quantize_qkv_varlen_ref(q, k, v, cu_q, cu_k, rotate_qk=True, seed=8)
     _quant_close(got, ref)
+    # V written straight into the kernel's layout: the same bytes as re-laying the packed V.
+    want_v, _ = v_varlen_aligned(got[2], cu_k)
+    assert aligned[2].shape == want_v.shape and aligned[2].stride() == want_v.stride()
+    assert torch.equal(_bytes(aligned[2]), _bytes(want_v))
+    for a, b in zip(aligned[:2] + aligned[3:], got[:2] + got[3:], strict=True):
+        assert torch.equal(a.float(), b.float())
     assert got[0].is_contiguous() and got[1].is_contiguous()
     assert got[2].stride() == (1, d * tk_pad, tk_pad)
     store = torch.as_strided(_bytes(got[2]), (hkv, d, tk_pad), (d * tk_pad, tk_pad, 1))
