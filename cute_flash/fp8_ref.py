@@ -19,6 +19,7 @@ is contiguous, as the FP8 P V wgmma needs its K (= keys) operand K-major (``toke
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -220,10 +221,31 @@ def token_contiguous_varlen(v8: torch.Tensor) -> torch.Tensor:
     return store.view(v8.dtype)[..., :t].permute(2, 0, 1)
 
 
+# cu_seqlens_v already computed, per cu_seqlens_k (weakly held) and its version counter: a model's
+# layers share one cu_seqlens, and the 9 small device ops below cost more host time per call than
+# the GPU spends on them (the varlen FP8 path is host-bound at 8 x 2k tokens, docs/notes.md).
+_CU_V: list[tuple] = []
+_CU_V_MAX = 8
+
+
 def varlen_v_offsets(cu_seqlens_k: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
     """(cu_seqlens_v int32 (S + 1,), T_v): sequence s's V starts at cu_seqlens_v[s], its length
     rounded up to 16 tokens after the previous one's start; T_v = round16(T) + 16 S bounds the
-    last end without reading cu_seqlens on the host."""
+    last end without reading cu_seqlens on the host. Remembered per tensor (see ``_CU_V``); the
+    caller must not write into the result."""
+    key = (cu_seqlens_k._version, cu_seqlens_k.device, int(total))
+    for ref, k, cu_v in _CU_V:
+        if ref() is cu_seqlens_k and k == key:
+            return cu_v, (total + 15) // 16 * 16 + 16 * (cu_seqlens_k.shape[0] - 1)
+    cu_v, t_v = _varlen_v_offsets(cu_seqlens_k, total)
+    # Not while a CUDA graph is captured: the result would live in the graph's private pool.
+    if not (cu_seqlens_k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _CU_V.append((weakref.ref(cu_seqlens_k), key, cu_v))
+        del _CU_V[:-_CU_V_MAX]
+    return cu_v, t_v
+
+
+def _varlen_v_offsets(cu_seqlens_k: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
     cu_k = cu_seqlens_k.long()
     num_seqs = cu_k.shape[0] - 1
     cu_v = torch.zeros(num_seqs + 1, dtype=torch.long, device=cu_k.device)

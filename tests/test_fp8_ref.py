@@ -100,3 +100,25 @@ def test_rotation_lowers_fp8_error_on_outlier_inputs(d: int) -> None:
     t = fp8_rmse_table(q, k, v)
     assert t["fp8_rotated"] < 0.75 * t["fp8"], t
     assert t["bf16"] < t["fp8_rotated"], t
+
+
+def test_varlen_v_offsets_are_remembered_per_tensor_until_it_is_written() -> None:
+    """The per-sequence 16-aligned V starts: each length rounded up to 16 after the previous start;
+    computed once per cu_seqlens tensor, again after an in-place write (version counter) and for
+    another tensor with the same values."""
+    from cute_flash.fp8_ref import v_varlen_aligned, v_varlen_packed, varlen_v_offsets
+
+    cu = torch.tensor([0, 5, 5, 40, 41], dtype=torch.int32)
+    cu_v, t_v = varlen_v_offsets(cu, 41)
+    assert cu_v.tolist() == [0, 16, 16, 64, 80] and t_v == 48 + 16 * 4
+    again, _ = varlen_v_offsets(cu, 41)
+    assert again is cu_v
+    cu[1:4] += 1  # an in-place write (lengths 6, 0, 35, 0): the remembered starts are stale
+    fresh, _ = varlen_v_offsets(cu, 41)
+    assert fresh is not cu_v and fresh.tolist() == [0, 16, 16, 64, 64]
+    other, _ = varlen_v_offsets(cu.clone(), 41)
+    assert other is not fresh and other.tolist() == fresh.tolist()
+    # And the aligned layout round-trips.
+    v = torch.randn(41, 2, 16).to(torch.float8_e4m3fn)
+    aligned, _ = v_varlen_aligned(v, cu)
+    assert torch.equal(v_varlen_packed(aligned, cu, 41).view(torch.uint8), v.view(torch.uint8))
