@@ -147,29 +147,25 @@ class FlashFwdSm90:
         stages = self.num_stages
         sq, sk, sv, so = (cute.cosize(x) for x in (self.sQ_layout, self.sK_layout, self.sV_layout,
                                                     self.sO_layout))
+        fields = {
+            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_K": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "mbar_V": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "next_tile": cute.struct.MemRange[cutlass.Int32, 2],
+            # Without a separate O buffer, O leaves through Q's.
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, sq if self.separate_o else max(sq, so)],
+                                    1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024],
+        }
+        if self.separate_o:
+            fields["sO"] = cute.struct.Align[cute.struct.MemRange[self.o_dtype, so], 1024]
+        fields.update(self.extra_smem())
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
-        @cute.struct
-        class Storage:
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            next_tile: cute.struct.MemRange[cutlass.Int32, 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, max(sq, so)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
-
-        @cute.struct
-        class StorageWithO:
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            next_tile: cute.struct.MemRange[cutlass.Int32, 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, sk], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, sv], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.o_dtype, so], 1024]
-
-        return StorageWithO if self.separate_o else Storage
+    def extra_smem(self) -> dict:
+        """More smem fields for a subclass (name -> struct member type)."""
+        return {}
 
     # ------------------------------------------------------------------------------------------
     # Operand hooks (16-bit here; ``hopper/fwd_fp8.py`` overrides them for e4m3)
@@ -195,6 +191,28 @@ class FlashFwdSm90:
 
     def p_operand(self, rP: cute.Tensor) -> cute.Tensor:
         return acc_to_frgA_sm90(rP)
+
+    def init_smem(self, storage) -> None:
+        """Constant smem a subclass fills once per CTA, before the CTA-wide barrier."""
+
+    def extra_ctx(self, ctx, smem, wg) -> None:
+        """Per-consumer state a subclass adds to ``ctx``."""
+
+    @cute.jit
+    def pv_gemm(self, ctx, v_index, wg_wait: cutlass.Constexpr[int]):
+        """O += P V for the V stage ``v_index``, one commit group."""
+        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, v_index],
+                zero_init=False, wg_wait=wg_wait)
+
+    @cute.jit
+    def rescale_o(self, ctx, row_scale) -> None:
+        """The running accumulators to the new row maxima."""
+        OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+
+    @cute.jit
+    def finalize_rows(self, ctx):
+        """1 / row sum per row (and the LSE into the softmax's state)."""
+        return ctx.softmax.finalize()
 
     def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
         """Per-tile score scale (the FP8 descales); nothing for 16-bit inputs."""
@@ -306,6 +324,7 @@ class FlashFwdSm90:
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages,
             producer_group=producer, consumer_group=consumers, tx_count=self.tx_V, defer_sync=True)
+        self.init_smem(storage)
         # Barrier inits visible to the async proxy and to every thread before first use.
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
@@ -315,7 +334,7 @@ class FlashFwdSm90:
         sO = sO_buf.get_tensor(self.sO_layout.outer, swizzle=self.sO_layout.inner)
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
-        smem = common.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO)
+        smem = common.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
         pipes = common.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
         geo = common.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                          window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
@@ -487,6 +506,7 @@ class FlashFwdSm90:
                          acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
                          score_scale=score_scale, scale_log2=scale_log2, wg=wg, tidx=tidx,
                          row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
+        self.extra_ctx(ctx, smem, wg)
         if cutlass.const_expr(self.pingpong):
             # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores. Every
             # warpgroup takes as many turns per tile, so the turn is back with it at each tile.
@@ -531,7 +551,7 @@ class FlashFwdSm90:
             # while this one's epilogue runs.
             pipe_q.consumer_release(q_state)
 
-        row_scale = self.output_scale(ctx, ctx.softmax.finalize())
+        row_scale = self.output_scale(ctx, self.finalize_rows(ctx))
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, tma_O, smem.sO, ctx.tidx, head, batch)
         if cutlass.const_expr(not self.separate_o):
@@ -658,13 +678,12 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(state)
         row_scale = self.scores(ctx, acc_S, n_block, is_first, partial, mask_right, mask_left)
         if cutlass.const_expr(not is_first):
-            OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+            self.rescale_o(ctx, row_scale)
         self.convert_p(acc_S, ctx.rP)
         # O += P V (RS-wgmma: P from registers).
         self.wait_full(ctx.pipe_v, state)
         self.sched_sync(ctx)
-        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, state.index],
-                zero_init=False)
+        self.pv_gemm(ctx, state.index, 0)
         ctx.pipe_v.consumer_release(state)
         state.advance()
         return state
@@ -696,10 +715,9 @@ class FlashFwdSm90:
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
                 wg_wait=-1)
         if cutlass.const_expr(self.rescale_before_pv):
-            OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
+            self.rescale_o(ctx, ctx.row_scale)
         self.wait_full(ctx.pipe_v, v_state)
-        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, v_state.index],
-                zero_init=False, wg_wait=-1)
+        self.pv_gemm(ctx, v_state.index, -1)
         self.sched_arrive(ctx)
         warpgroup.wait_group(1)  # S(n) is ready; P V may still run
         ctx.pipe_k.consumer_release(state)
@@ -709,7 +727,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.rescale_before_pv):
             ctx.row_scale.store(row_scale.load())
         else:
-            OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+            self.rescale_o(ctx, row_scale)
         self.convert_p(acc_S, ctx.rP)
         return state
 
@@ -717,10 +735,9 @@ class FlashFwdSm90:
     def last_half(self, ctx, state):
         """Intra-warpgroup overlap: P V of the last block visited."""
         if cutlass.const_expr(self.rescale_before_pv):
-            OnlineSoftmax.rescale(ctx.acc_O, ctx.row_scale)
+            self.rescale_o(ctx, ctx.row_scale)
         self.wait_full(ctx.pipe_v, state)
-        wg_gemm(self.mma_pv, ctx.acc_O, self.p_operand(ctx.rP), ctx.tOrVt[None, None, None, state.index],
-                zero_init=False)
+        self.pv_gemm(ctx, state.index, 0)
         ctx.pipe_v.consumer_release(state)
         state.advance()
         return state
