@@ -179,13 +179,15 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
                       k_descale: torch.Tensor, v_descale: torch.Tensor, *,
                       softmax_scale: float | None = None, causal: bool = False,
                       window_size: tuple[int, int] = (-1, -1), quantize_p: bool = True,
-                      v_perm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      v_perm: bool = False, sum_quantized_p: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32 (B, Nq, H, d), lse (B, H, Nq)) of attention on e4m3 inputs as the FP8 kernel
     computes it: S = (q8 k8^T) * q_descale * k_descale in fp32, softmax statistics in fp32, P =
     exp(S - rowmax) * ``P_SCALE`` cast to e4m3 (``quantize_p``), O = (P8 v8) * v_descale /
     (P_SCALE * rowsum) with the row sums of the unquantized P. (The kernel's P uses the running
     max of its online softmax, not the final one; the difference is within e4m3 rounding.)
-    ``v_perm``: v8 is kernel-order (B, H_kv, d, N_pad) storage (``quantize_qkv_ref(v_perm=True)``)."""
+    ``v_perm``: v8 is kernel-order (B, H_kv, d, N_pad) storage (``quantize_qkv_ref(v_perm=True)``).
+    ``sum_quantized_p``: the row sums of the e4m3 P instead (the kernel's ``sum_mma``)."""
     b, nq, h, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
     if v_perm:
@@ -203,6 +205,8 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
     rowsum = p.sum(dim=-1, keepdim=True)
     if quantize_p:
         p = (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE
+        if sum_quantized_p:
+            rowsum = p.sum(dim=-1, keepdim=True)
     o = p @ vf * _expand_descale(v_descale, h) / rowsum.clamp_min(torch.finfo(torch.float32).tiny)
     o = torch.where(rowsum > 0, o, torch.zeros_like(o))
     lse = (m + rowsum.log()).squeeze(-1)

@@ -60,6 +60,13 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # V storage in the kernel's token order (``fp8_ref.V_PERM16``, as ``quant.quantize_qkv(...,
     # v_perm=True)`` writes it): P needs no exchange between lanes. Off: natural token order.
     v_perm: bool = False
+    # Row sums of P on the tensor cores: P (the e4m3 A registers of P V) times an 8-column block of
+    # ones in smem, one m64n8k32 wgmma per 32 keys in P V's commit group, instead of one FADD per
+    # score. At d = 128 the softmax's ALU instructions, not the tensor cores, bound the loop (731
+    # SASS instructions per warp and block, 96 of them these FADDs: ~95% of the issue slots at
+    # the QGMMA rate). The sums are then of the e4m3-rounded P that P V multiplied. Compiled, not
+    # yet measured: off.
+    sum_mma: bool = False
 
     kernel_name = "fwd_sm90_fp8"
 
@@ -89,15 +96,20 @@ class FwdSm90Fp8Config(FwdSm90Config):
                 object.__setattr__(self, name, value)
         if self.tile_n % 32:
             raise ValueError("FP8 forward: tile_n must be a multiple of 32 (k32 P V)")
+        if self.sum_mma and self.hdim != 128:
+            # d = 256: its tiles already fill the 227 KiB, and it is tensor-bound anyway. d = 64
+            # (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
+            raise ValueError("FP8 forward: sum_mma at d = 128 only")
         super().__post_init__()
         if not self.separate_o:
             raise ValueError("FP8 forward: O (16 bit) needs its own smem buffer beside 1-byte Q")
 
     def smem_bytes(self, separate_o: bool) -> int:
-        """1-byte Q / K / V tiles, 16-bit O."""
+        """1-byte Q / K / V tiles, 16-bit O (and ``sum_mma``'s block of ones)."""
         q, o = self.tile_m * self.hdim, self.tile_m * self.hdim_v * 2
         kv = self.stages * self.tile_n * (self.hdim + self.hdim_v)
-        return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024
+        ones = (8 * self.tile_n + 1023) // 1024 * 1024 if self.sum_mma else 0
+        return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024 + ones
 
     def build(self):
         from cute_flash.hopper.fwd_fp8 import FlashFwdSm90Fp8

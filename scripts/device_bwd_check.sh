@@ -3,8 +3,8 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# (The backward switches of session 4 were measured in session 5 and settled; session 6 queued new
-# ones -- part bwdtune -- and fp8_ops.RELAYOUT_V_KERNEL, whose tests are in part fp8tests.)
+# (Session 6's backward switches were measured and settled in session 7; session 7 queued the FP8
+# kernel's sum_mma -- part fp8tune, its GPU tests in part fp8tests.)
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
@@ -48,12 +48,12 @@ for p in "${parts[@]}"; do
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;
     fp8tune)
-      # Still open for FP8 at d = 128: how many exponentials on the FMA pipe (8 is the default now;
-      # 4 and 6 were measured only without the kernel-order V), and whether the persistent grid
-      # (default up to 4k keys) also wins at 8k.
-      timeout "${FP8_TUNE_TIMEOUT:-150}" python scripts/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \
-        --variant v_perm=1 "v_perm=1,exp2_emu=0" "v_perm=1,exp2_emu=4" "v_perm=1,exp2_emu=6" \
-        "v_perm=1,num_ctas=132" "v_perm=1,num_ctas=132,dynamic_tiles=1" > "$OUT/tune_fp8.log" 2>&1
+      # Issue 5, d = 128 (bar 950): P's row sums on the tensor cores (sum_mma, session 7: 731 ->
+      # 666 SASS instructions per loop body), alone and with more exponentials on the FMA pipe
+      # now that the FADDs no longer take those issue slots.
+      timeout "${FP8_TUNE_TIMEOUT:-200}" python scripts/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \
+        --variant v_perm=1 "v_perm=1,sum_mma=1" "v_perm=1,sum_mma=1,exp2_emu=6" "v_perm=1,sum_mma=1,exp2_emu=4" \
+        "v_perm=1,sum_mma=1,exp2_emu=0" > "$OUT/tune_fp8.log" 2>&1
       echo "== fp8tune rc=$?"
       grep -E "^d[0-9]|WRONG|ERROR" "$OUT/tune_fp8.log" ;;
     fp8)

@@ -32,6 +32,12 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "ca
              for d in (64, 128, 256) for m in ("plain", "causal", "local")]
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, pack_gqa=p)
              for d, c, p in ((64, False, 8), (128, True, 4), (256, False, 8))]
+# Row sums of P on the tensor cores (d = 128): every launch shape the d = 128 path takes.
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, sum_mma=True, **kw)
+             for kw in (dict(v_perm=True), dict(v_perm=True, causal=True), dict(causal=True),
+                        dict(local=True), dict(varlen=True, causal=True),
+                        dict(v_perm=True, causal=True, num_ctas=132, dynamic_tiles=True),
+                        dict(v_perm=True, num_ctas=132), dict(causal=True, pack_gqa=4))]
 
 
 def _id(c: FwdSm90Fp8Config) -> str:
@@ -39,7 +45,8 @@ def _id(c: FwdSm90Fp8Config) -> str:
     emu = f"-emu{c.exp2_emu}" if c.exp2_emu else ""
     grid = f"-persistent{'-dynamic' if c.dynamic_tiles else ''}" if c.num_ctas else ""
     packed = ("-varlen" if c.varlen else "") + (f"-pack{c.pack_gqa}" if c.pack_gqa > 1 else "")
-    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid + packed
+    sums = "-sum-mma" if c.sum_mma else ""
+    return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid + packed + sums
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
@@ -74,11 +81,21 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
             assert saved > 0 and saved % (per_body // cfg.exp2_emu) == 0, saved
         assert sass.count("WARPGROUP.DEPBAR") <= 8, "wgmma serialised?"
         assert "STL" not in sass
+    if cfg.sum_mma:
+        # One m64n8k32 per 32 keys beside P V, in every copy of the P V issue; the FADD chains of
+        # the row sums gone from the loop.
+        n8 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx))
+        assert n8 > 0 and n8 % (cfg.tile_n // 32) == 0, n8
+        if sass:
+            plain = FwdSm90Fp8Config(**{**cfg.__dict__, "sum_mma": False})
+            sass0 = ins.cubin_sass_and_usage(jit.compile_artifacts(plain)[1])[0] or ""
+            assert sass.count("FADD") < sass0.count("FADD") - 2 * cfg.tile_n // 4
 
 
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
-               dict(tile_n=80)):
+               dict(tile_n=80), dict(hdim=256, hdim_v=256, sum_mma=True),
+               dict(hdim=64, hdim_v=64, sum_mma=True)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
@@ -195,11 +212,15 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
     run_fwd_fp8(q8, k8, v8, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, v_perm=v_perm,
                 **overrides)
     torch.cuda.synchronize()
+    sum_mma = overrides.get("sum_mma", False)
     ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
-                                     v_perm=v_perm)
+                                     v_perm=v_perm, sum_quantized_p=sum_mma)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
-    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    # sum_mma sums the e4m3 P, rounded against the running max (the reference rounds against the
+    # final one): the sums then differ by e4m3 rounding, not by fp32 summation order.
+    tol = 4e-3 if sum_mma else 1e-3
+    assert torch.allclose(lse, ref_lse, atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
@@ -214,6 +235,24 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
     past N (the last, partial 16)."""
     _kernel_vs_reference(d, causal, 2, 300, 517, 4, hkv, seed=2, v_perm=v_perm, exp2_emu=emu, num_ctas=0,
                          dynamic_tiles=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("causal,v_perm,grid", [(False, True, "tiles"), (True, True, "tiles"),
+                                                (True, False, "tiles"), (True, True, "persistent"),
+                                                (False, True, "persistent")])
+def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_perm: bool, grid: str) -> None:
+    """``sum_mma`` (d = 128): P's row sums from P times a block of ones, in P V's commit group,
+    rescaled with O; against the reference that also sums the e4m3 P. Partial last blocks (517
+    keys), one CTA per tile and the persistent grid (more tiles than CTAs: the sums restart)."""
+    import torch
+
+    from cute_flash.fwd_sm90 import sm_count
+
+    ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
+    _kernel_vs_reference(128, causal, 3, 700, 517, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
+                         dynamic_tiles=causal and ctas > 0)
 
 
 def test_fp8_launch_takes_the_persistent_grid_for_short_sequences_and_claims_causal_tiles() -> None:

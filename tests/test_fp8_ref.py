@@ -122,3 +122,20 @@ def test_varlen_v_offsets_are_remembered_per_tensor_until_it_is_written() -> Non
     v = torch.randn(41, 2, 16).to(torch.float8_e4m3fn)
     aligned, _ = v_varlen_aligned(v, cu)
     assert torch.equal(v_varlen_packed(aligned, cu, 41).view(torch.uint8), v.view(torch.uint8))
+
+
+def test_summing_the_quantized_p_makes_each_output_row_a_weighted_average() -> None:
+    """``sum_quantized_p`` (the kernel's ``sum_mma``): O is divided by the sum of the e4m3 P that
+    multiplied V, so a V of ones gives exactly ones; with the unquantized sums it is off by P's
+    rounding, and the LSE moves by about that much."""
+    from cute_flash.fp8_ref import attention_fp8_ref
+
+    torch.manual_seed(0)
+    q8, k8 = (torch.randn(1, 64, 2, 32).to(torch.float8_e4m3fn) for _ in range(2))
+    v8 = torch.ones(1, 64, 2, 32).to(torch.float8_e4m3fn)
+    ds = [torch.ones(1, 2) for _ in range(3)]
+    exact, lse_q = attention_fp8_ref(q8, k8, v8, *ds, sum_quantized_p=True)
+    plain, lse = attention_fp8_ref(q8, k8, v8, *ds)
+    assert torch.allclose(exact, torch.ones_like(exact), atol=1e-6)
+    assert (plain - 1).abs().max() > 1e-4
+    assert (lse_q - lse).abs().max() < 0.05

@@ -112,6 +112,7 @@ class FlashFwdSm90:
         self.dynamic_tiles = cfg.dynamic_tiles
         # log2 of the factor P is computed with (``OnlineSoftmax.p_log2_offset``; FP8 sets it).
         self.p_log2_offset = 0.0
+        self.softmax_sums_rows = True  # (the FP8 kernel's ``sum_mma`` sums P on the tensor cores)
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -496,7 +497,7 @@ class FlashFwdSm90:
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
                                 seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
-                                p_log2_offset=self.p_log2_offset)
+                                p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)

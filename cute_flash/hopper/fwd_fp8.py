@@ -33,6 +33,11 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.ampere import common
 from cute_flash.fp8_ref import P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
+from cute_flash.kernels.layout import acc_to_mn
+from cute_flash.kernels.softmax import OnlineSoftmax
+
+# Columns of the ones block (the narrowest wgmma N).
+SUM_COLS = 8
 
 
 @cute.jit
@@ -87,6 +92,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.tx_K = self.tile_n * self.hdim
         self.tx_V = self.tile_n * self.hdim_v
         self.p_log2_offset = math.log2(P_SCALE)
+        self.softmax_sums_rows = not cfg.sum_mma
 
     def _setup(self) -> None:
         self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
@@ -102,6 +108,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             f8, f8, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.hdim_v),
             a_source=warpgroup.OperandSource.RMEM)
         self.copy_O = common.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
+        if cutlass.const_expr(self.cfg.sum_mma):
+            # P times a (keys x 8) block of ones: every column of the m64n8 result is P's row sum.
+            self.sOnes_layout = self._smem(SUM_COLS, self.tile_n, None)
+            self.mma_sum = sm90_utils.make_trivial_tiled_mma(
+                f8, f8, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, SUM_COLS),
+                a_source=warpgroup.OperandSource.RMEM)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -114,6 +126,69 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
                      window_right, max_seqlen_q, mTileCounter, (mQdescale, mKdescale, mVdescale, mCuSeqlensV),
                      stream)
+
+    # Row sums on the tensor cores (``sum_mma``) ---------------------------------------------------
+    def extra_smem(self) -> dict:
+        if not self.cfg.sum_mma:
+            return {}
+        return {"sOnes": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sOnes_layout)],
+                                           1024]}
+
+    @cute.jit
+    def init_smem(self, storage) -> None:
+        if cutlass.const_expr(self.cfg.sum_mma):
+            # Every byte is a one, so the swizzle does not matter: a flat fill, then visible to
+            # the wgmma's async proxy (the CTA barrier that follows orders it for every warp).
+            ones = storage.sOnes.get_tensor(cute.make_layout(cute.cosize(self.sOnes_layout)))
+            tidx, _, _ = cute.arch.thread_idx()
+            for i in cutlass.range(tidx, cute.cosize(self.sOnes_layout), self.num_threads, unroll=1):
+                ones[i] = self.dtype(1.0)
+            cute.arch.fence_view_async_shared()
+
+    def extra_ctx(self, ctx, smem, wg) -> None:
+        if cutlass.const_expr(self.cfg.sum_mma):
+            sOnes = smem.storage.sOnes.get_tensor(self.sOnes_layout.outer, swizzle=self.sOnes_layout.inner)
+            wg_sum = self.mma_sum.get_slice(wg * 128)
+            ctx.tLrOnes = wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))
+            ctx.acc_L = cute.make_rmem_tensor(
+                self.mma_sum.get_slice(ctx.tidx).partition_shape_C((self.tile_m, SUM_COLS)), Float32)
+            ctx.acc_L.fill(0.0)
+
+    @cute.jit
+    def pv_gemm(self, ctx, v_index, wg_wait: cutlass.Constexpr[int]):
+        if cutlass.const_expr(not self.cfg.sum_mma):
+            super().pv_gemm(ctx, v_index, wg_wait)
+        else:
+            # P V and P 1 in one commit group (the callers' wait_group counts stay as they are).
+            warpgroup.fence()
+            rP = self.p_operand(ctx.rP)
+            for mma, acc, tCrB in ((self.mma_pv, ctx.acc_O, ctx.tOrVt[None, None, None, v_index]),
+                                   (self.mma_sum, ctx.acc_L, ctx.tLrOnes)):
+                atom = cute.make_mma_atom(mma.op)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(rP, mode=[2])):
+                    cute.gemm(atom, acc, rP[None, None, k], tCrB[None, None, k], acc)
+            warpgroup.commit_group()
+            if cutlass.const_expr(wg_wait >= 0):
+                warpgroup.wait_group(wg_wait)
+
+    @cute.jit
+    def rescale_o(self, ctx, row_scale) -> None:
+        OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+        if cutlass.const_expr(self.cfg.sum_mma):
+            OnlineSoftmax.rescale(ctx.acc_L, row_scale)
+
+    @cute.jit
+    def finalize_rows(self, ctx):
+        if cutlass.const_expr(not self.cfg.sum_mma):
+            return ctx.softmax.finalize()
+        # Each thread holds whole row sums (the MMA summed over every key): no quad reduction.
+        sums = acc_to_mn(ctx.acc_L)
+        row_sum = cute.make_rmem_tensor_like(ctx.softmax.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            row_sum[r] = sums[r, 0]
+        ctx.acc_L.fill(0.0)  # for the next tile
+        return ctx.softmax.finalize(row_sum)
 
     # Operand hooks -------------------------------------------------------------------------------
     def v_source(self, mV: cute.Tensor) -> cute.Tensor:

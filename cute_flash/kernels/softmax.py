@@ -85,8 +85,11 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False,
-                 exp2_emu: int = 0, p_log2_offset: float = 0.0):
+                 exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True):
         self.scale_log2 = scale_log2
+        # False: the caller sums P itself (the FP8 kernel's ``sum_mma``, on the tensor cores) and
+        # hands the sums to ``finalize``; no FADD per score here.
+        self.sum_rows = sum_rows
         # P comes out as 2^offset * p: the row sums carry the same factor, so O's normalisation
         # cancels it and only the LSE subtracts it (FP8: P lands in e4m3's normal range at no
         # cost, where a multiply per score would be one more FMUL on the softmax's issue budget).
@@ -126,7 +129,12 @@ class OnlineSoftmax:
             m_p = m_scaled
             if cutlass.const_expr(self.p_log2_offset != 0.0):
                 m_p = m_scaled - Float32(self.p_log2_offset)
-            if cutlass.const_expr(self.seed_sum and not is_first):
+            if cutlass.const_expr(not self.sum_rows):
+                row_scale[r] = Float32(1.0)
+                if cutlass.const_expr(not is_first):
+                    row_scale[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+                self._exp2_row(acc_mn, r, row, m_p)
+            elif cutlass.const_expr(self.seed_sum and not is_first):
                 # The rescale factor first, and the sum chain seeded with row_sum * scale: the
                 # scale's exp2 then heads the longest dependency chain, so ptxas issues it early
                 # and the O rescale that needs it can fill the gaps between the P exponentials
@@ -164,12 +172,16 @@ class OnlineSoftmax:
         return p
 
     @cute.jit
-    def finalize(self) -> cute.Tensor:
+    def finalize(self, row_sums: cute.Tensor | None = None) -> cute.Tensor:
         """Returns 1/rowsum per row (0 for rows that saw no key) and turns ``row_sum`` into the
-        natural-log LSE (-inf for rows that saw no key)."""
+        natural-log LSE (-inf for rows that saw no key). ``row_sums``: whole-row sums from the
+        caller (``sum_rows=False``), not partial per lane."""
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            if cutlass.const_expr(row_sums is None):
+                s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            else:
+                s = row_sums[r]
             empty = s == Float32(0.0) or s != s
             row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(s)
             log2_sum = cute.math.log2(s, fastmath=True)
