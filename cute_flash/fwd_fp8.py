@@ -67,6 +67,12 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # the QGMMA rate). The sums are then of the e4m3-rounded P that P V multiplied. Compiled, not
     # yet measured: off.
     sum_mma: bool = False
+    # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
+    # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
+    # at d = 128, ~9% of the loop's instructions -- when none of its rows moved, which after the
+    # first blocks is most of them (flash-attn-4's trick on Blackwell, with its larger bf16
+    # threshold). Compiled, not yet measured: off.
+    lazy_rescale: bool = False
 
     kernel_name = "fwd_sm90_fp8"
 

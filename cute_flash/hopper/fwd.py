@@ -113,6 +113,7 @@ class FlashFwdSm90:
         # log2 of the factor P is computed with (``OnlineSoftmax.p_log2_offset``; FP8 sets it).
         self.p_log2_offset = 0.0
         self.softmax_sums_rows = True  # (the FP8 kernel's ``sum_mma`` sums P on the tensor cores)
+        self.rescale_threshold = 0.0  # (the FP8 kernel's ``lazy_rescale``)
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -207,7 +208,19 @@ class FlashFwdSm90:
 
     @cute.jit
     def rescale_o(self, ctx, row_scale) -> None:
-        """The running accumulators to the new row maxima."""
+        """The running accumulators to the new row maxima -- with a rescale threshold, only when
+        some row of the warp moved its maximum (a warp vote keeps the branch uniform)."""
+        if cutlass.const_expr(self.rescale_threshold > 0.0):
+            lowest = row_scale[0]
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                lowest = cute.arch.fmin(lowest, row_scale[r])
+            if cute.arch.vote_any_sync(lowest < Float32(1.0)):
+                self.rescale_accs(ctx, row_scale)
+        else:
+            self.rescale_accs(ctx, row_scale)
+
+    @cute.jit
+    def rescale_accs(self, ctx, row_scale) -> None:
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
 
     @cute.jit
@@ -497,7 +510,8 @@ class FlashFwdSm90:
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=4,
                                 seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
-                                p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows)
+                                p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows,
+                                rescale_threshold=self.rescale_threshold)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)

@@ -85,8 +85,14 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False,
-                 exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True):
+                 exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True,
+                 rescale_threshold: float = 0.0):
         self.scale_log2 = scale_log2
+        # > 0: a row keeps its old maximum unless the new one is larger by more than this (log2
+        # units), so most blocks after the first few need no rescale of O at all (the caller
+        # skips it when every row's factor is 1). P may then exceed 2^offset by up to
+        # 2^threshold: FP8's e4m3 P (offset 8, at most 448) allows 0.8.
+        self.rescale_threshold = rescale_threshold
         # False: the caller sums P itself (the FP8 kernel's ``sum_mma``, on the tensor cores) and
         # hands the sums to ``finalize``; no FADD per score here.
         self.sum_rows = sum_rows
@@ -123,6 +129,10 @@ class OnlineSoftmax:
             # The 4 lanes of a quad hold the same row (mma.sync C layout): 2 shuffles.
             m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
             m_old = self.row_max[r]
+            if cutlass.const_expr(self.rescale_threshold > 0.0 and not is_first):
+                # (-inf - -inf is NaN, not above the threshold: a row with no key yet stays -inf.)
+                grew = (m_new - m_old) * self.scale_log2 > Float32(self.rescale_threshold)
+                m_new = cutlass.select_(grew, m_new, m_old)
             self.row_max[r] = m_new
             # A row with every key masked so far has m = -inf: use 0 so exp2 gives 0, not NaN.
             m_scaled = (m_new if m_new != -Float32.inf else Float32(0.0)) * self.scale_log2
