@@ -34,16 +34,13 @@ for p in "${parts[@]}"; do
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
     bwdtune)
-      # Issue 4 (d = 64 / 128 vs flash-attn-4), the switches of session 6 (docs/notes.md): the
-      # statistics read under the S^T / dP^T wgmmas, the dQ writer issuing both chunks before
-      # waiting, PDL after the preprocess, stmatrix dK / dV, dQ postprocess staged through smem,
-      # FA4's 80-row tile with stmatrix dS.
-      # Each variant is one compile per (d, causal): BWD_TUNE_HDIMS picks the head dims (one per
-      # call fits the 10 minutes).
+      # Issue 4: what is left against flash-attn-4 is d = 64 and d = 128 causal (0.93-0.99x, worst
+      # at 4k / 8k; session 7 table). Candidates on the causal grid: the longest-first walk off
+      # (does LPT's order cost L2 locality at these sizes?), the dQ writer warp off (its smem
+      # costs a stage), one Q / dO stage with the writer.
+      # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
-        --seqlen 2048 16384 --causal 0 1 --variant "prefetch_stats=1" "dq_writer_batch=1" "pdl=1" \
-        "dkv_stmatrix=1" "post_stage_smem=1" "prefetch_stats=1,dq_writer_batch=1,pdl=1,dkv_stmatrix=1,post_stage_smem=1" \
-        "tile_m=80,ds_stmatrix=1" \
+        --seqlen 4096 8192 --causal 1 --variant "lpt=0" "dq_warp=0" "stages=1" "lpt=0,dq_warp=0" \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;
