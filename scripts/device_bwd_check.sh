@@ -52,7 +52,8 @@ for p in "${parts[@]}"; do
       timeout "${FP8_TUNE_TIMEOUT:-280}" python scripts/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \
         --variant v_perm=1 "v_perm=1,sum_mma=1" "v_perm=1,lazy_rescale=1" "v_perm=1,sum_mma=1,lazy_rescale=1" \
         "v_perm=1,sum_mma=1,lazy_rescale=1,exp2_emu=6" "v_perm=1,sum_mma=1,lazy_rescale=1,exp2_emu=4" \
-        "v_perm=1,sum_mma=1,lazy_rescale=1,exp2_emu=0" > "$OUT/tune_fp8.log" 2>&1
+        "v_perm=1,sum_mma=1,lazy_rescale=1,exp2_emu=0" "v_perm=1,sum_mma=1,lazy_rescale=1,tile_n=224" \
+        > "$OUT/tune_fp8.log" 2>&1
       echo "== fp8tune rc=$?"
       grep -E "^d[0-9]|WRONG|ERROR" "$OUT/tune_fp8.log" ;;
     fp8)
