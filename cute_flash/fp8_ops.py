@@ -48,18 +48,25 @@ def check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError("q, k, v must be on one device")
 
 
-def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor, ...]) -> None:
+def _check_e4m3(q8: Tensor, k8: Tensor, v8: Tensor) -> None:
     for name, t in (("q", q8), ("k", k8), ("v", v8)):
         if t.dtype != FP8:
             raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
         if t.requires_grad:
             raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
-    check_heads(q8, k8, v8)
-    shape = (q8.shape[0], k8.shape[2])
+
+
+def _check_descales(descales: tuple[Tensor, ...], shape: tuple[int, int], rows: str, device) -> None:
     for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
-            raise ValueError(f"{name} must be float32 of shape (B, H_kv) = {shape} on {q8.device}, got "
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device:
+            raise ValueError(f"{name} must be float32 of shape ({rows}, H_kv) = {shape} on {device}, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_fp8_inputs(q8: Tensor, k8: Tensor, v8: Tensor, descales: tuple[Tensor, ...]) -> None:
+    _check_e4m3(q8, k8, v8)
+    check_heads(q8, k8, v8)
+    _check_descales(descales, (q8.shape[0], k8.shape[2]), "B", q8.device)
 
 
 def check_heads_varlen(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -83,21 +90,13 @@ def check_fp8_varlen_inputs(q8: Tensor, k8: Tensor, v8: Tensor, cu_q: Tensor, cu
     """Everything but the cu_seqlens values (``check_cu_data``): also runs while tracing."""
     from cute_flash import validate
 
-    for name, t in (("q", q8), ("k", k8), ("v", v8)):
-        if t.dtype != FP8:
-            raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
-        if t.requires_grad:
-            raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
+    _check_e4m3(q8, k8, v8)
     check_heads_varlen(q8, k8, v8)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, Tensor) or cu.device != q8.device:
             raise ValueError(f"{name} must be a tensor on {q8.device}")
     validate.check_cu_seqlens(cu_q, cu_k, q8.shape[0], k8.shape[0], max_q, max_k, check_data=False)
-    shape = (cu_q.shape[0] - 1, k8.shape[1])
-    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
-        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != q8.device:
-            raise ValueError(f"{name} must be float32 of shape (num_seqs, H_kv) = {shape} on {q8.device}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_descales(descales, (cu_q.shape[0] - 1, k8.shape[1]), "num_seqs", q8.device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from cute_flash import jit, validate
 from cute_flash.fp8_ops import FP8_HDIMS as QUANT_HDIMS  # powers of two (Walsh-Hadamard), d / 32 lanes
-from cute_flash.fp8_ops import check_heads
+from cute_flash.fp8_ops import check_heads, check_heads_varlen
 from cute_flash.fp8_ref import E4M3_MAX, hadamard_signs
 
 
@@ -166,15 +166,7 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
     """Everything but the cu_seqlens values (reading them is a host sync: the op checks them,
     ``fp8_ops.check_cu_data``); returns the number of sequences."""
     _check_tensors(q, k, v, 3, "packed (T, H, d)")
-    h, d = q.shape[1], q.shape[2]
-    if k.shape != v.shape or k.shape[2] != d:
-        raise ValueError(f"k and v must be (T_k, H_kv, d) with q's d: {tuple(k.shape)}, {tuple(v.shape)}")
-    if d not in QUANT_HDIMS:
-        raise ValueError(f"quantize: head dim {d} not in {QUANT_HDIMS}")
-    if k.shape[1] == 0 or h % k.shape[1]:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[1]})")
-    if not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must be on one device")
+    check_heads_varlen(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor")
