@@ -226,10 +226,19 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
                                      v_perm=v_perm, sum_quantized_p=sum_mma)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
-    # sum_mma sums the e4m3 P, rounded against the running max (the reference rounds against the
-    # final one): the sums then differ by e4m3 rounding, not by fp32 summation order.
-    tol = 4e-3 if sum_mma else 1e-3
-    assert torch.allclose(lse, ref_lse, atol=tol, rtol=tol)
+    if not sum_mma:
+        assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+        return
+    # sum_mma sums the e4m3 P, each rounded against the running max of its block, the reference's
+    # against the row's final max: one e4m3 step apart at most (2^-3 of a value), so
+    # |dLSE| <= ln(1 + 2^-3) per row -- reached only by rows with a few keys whose max moved
+    # (causal). Over all rows the differences have no sign: a sum that loses terms (e.g. carried
+    # in the fp8 wgmma accumulator across blocks, 15% low at 8k keys) moves the mean.
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse))
+    diff = (lse - ref_lse)[seen]
+    assert diff.abs().max().item() <= math.log1p(2.0 ** -3), diff.abs().max().item()
+    assert abs(diff.mean().item()) < 1e-3, diff.mean().item()
 
 
 @pytest.mark.gpu
@@ -248,19 +257,24 @@ def test_fp8_forward_matches_the_reference_on_the_same_quantized_inputs(d: int, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("causal,v_perm,grid", [(False, True, "tiles"), (True, True, "tiles"),
-                                                (True, False, "tiles"), (True, True, "persistent"),
-                                                (False, True, "persistent")])
-def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_perm: bool, grid: str) -> None:
+@pytest.mark.parametrize("causal,v_perm,grid,nk", [(False, True, "tiles", 517), (True, True, "tiles", 517),
+                                                   (True, False, "tiles", 517), (True, True, "persistent", 517),
+                                                   (False, True, "persistent", 517),
+                                                   (False, True, "tiles", 8200), (True, False, "tiles", 8200)])
+def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_perm: bool, grid: str,
+                                                              nk: int) -> None:
     """``sum_mma`` (d = 128): P's row sums from P times a block of ones, in P V's commit group,
-    rescaled with O; against the reference that also sums the e4m3 P. Partial last blocks (517
-    keys), one CTA per tile and the persistent grid (more tiles than CTAs: the sums restart)."""
+    folded into fp32 registers after every block; against the reference that also sums the e4m3
+    P. Partial last blocks (517 keys), one CTA per tile and the persistent grid (more tiles than
+    CTAs: the sums restart), and 8200 keys (43 blocks: what a sum carried in the wgmma
+    accumulator lost)."""
     import torch
 
     from cute_flash.fwd_sm90 import sm_count
 
     ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
-    _kernel_vs_reference(128, causal, 3, 700, 517, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
+    b, nq = (3, 700) if nk < 1000 else (1, 640)
+    _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
                          dynamic_tiles=causal and ctas > 0)
 
 

@@ -210,6 +210,7 @@ class FlashFwdSm90:
     def rescale_o(self, ctx, row_scale) -> None:
         """The running accumulators to the new row maxima -- with a rescale threshold, only when
         some row of the warp moved its maximum (a warp vote keeps the branch uniform)."""
+        self.fold_row_sums(ctx, row_scale)
         if cutlass.const_expr(self.rescale_threshold > 0.0):
             lowest = row_scale[0]
             for r in cutlass.range_constexpr(1, cute.size(row_scale)):
@@ -222,6 +223,10 @@ class FlashFwdSm90:
     @cute.jit
     def rescale_accs(self, ctx, row_scale) -> None:
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
+
+    def fold_row_sums(self, ctx, row_scale) -> None:
+        """Row sums a subclass takes from the last P V (its wait is done, the next one not yet
+        issued), folded into its running sums at the new row maxima; nothing here."""
 
     @cute.jit
     def finalize_rows(self, ctx):
