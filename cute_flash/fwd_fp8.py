@@ -31,6 +31,7 @@ SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
 # FP8 the MUFU's 16 exp2 per clock take as long as the QGMMAs of a block: with V in the kernel order,
 # 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k) and +0.5-2% at
 # N = 2k / 4k; at d = 256 (twice the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%.
+# With ``sum_mma`` (the d = 128 default since session 8) the FMA pipe is busier: 0 there.
 SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
 # Persistent grid up to this many keys (session 6, N = 2k / 4k, TFLOP/s one CTA per tile ->
 # persistent): non-causal with a static stride 749 -> 794, 827 -> 839 (d = 128) and 1063 -> 1115,
@@ -66,8 +67,12 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # SASS instructions per warp and block, 96 of them these FADDs: ~95% of the issue slots at
     # the QGMMA rate). The sums are then of the e4m3-rounded P that P V multiplied; each block's
     # sum restarts in the wgmma and is added in fp32 registers (the fp8 accumulator keeps ~14
-    # bits: carried across blocks, the sum came out 15% low at 8k keys).
-    sum_mma: bool = False
+    # bits: carried across blocks, the sum came out 15% low at 8k keys). None: on at d = 128 for
+    # dense inputs (session 8, N = 8k / 16k with V in the kernel order, non-causal | causal:
+    # 885-863 | 819-865 -> 912-951 | 853-918 TFLOP/s together with every exponential on the MUFU,
+    # the FMA pipe now having fewer free slots). Varlen and sliding windows: compiled and
+    # CPU-checked but not measured on the GPU, off.
+    sum_mma: bool | None = None
     # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
     # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
     # at d = 128, ~9% of the loop's instructions -- when none of its rows moved, which after the
@@ -95,8 +100,14 @@ class FwdSm90Fp8Config(FwdSm90Config):
                             ("num_mma_wg", wgs)):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
+        if self.sum_mma is None:
+            object.__setattr__(self, "sum_mma", self.hdim == 128 and not self.varlen and not self.local)
         if self.exp2_emu is None:
             emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
+            if self.sum_mma:
+                # With the row sums' FADDs gone the FMA pipe is no longer idle beside the MUFU:
+                # 1 in 8 on the FMA pipe cost 1-7% (session 8).
+                emu = 0
             object.__setattr__(self, "exp2_emu", emu)
         for name, value in (("pingpong", pingpong), ("intra_wg_overlap", overlap)):
             if getattr(self, name) is None:

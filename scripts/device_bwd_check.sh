@@ -3,8 +3,8 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# (Session 6's backward switches were measured and settled in session 7; session 7 queued the FP8
-# kernel's sum_mma -- part fp8tune, its GPU tests in part fp8tests.)
+# (Session 8: the FP8 kernel's sum_mma measured and on at d = 128; the causal backward
+# candidates of part bwdtune measured and left off.)
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
@@ -45,14 +45,12 @@ for p in "${parts[@]}"; do
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;
     fp8tune)
-      # Issue 5, d = 128 (bar 950): P's row sums on the tensor cores (sum_mma; session 8: each
-      # block's sum restarts in the wgmma, folded in fp32 registers), alone, with more or fewer
-      # exponentials on the FMA pipe, with 224 keys, and with the lazy O rescale (alone it lost
-      # 3-7% in session 8).
+      # Issue 5, d = 128 (bar 950). Session 8 put P's row sums on the tensor cores with every
+      # exponential on the MUFU (the new default). Around it: the old schedule, 224 keys, three
+      # K / V stages, the lazy O rescale, 1 in 16 exponentials on the FMA pipe.
       timeout "${FP8_TUNE_TIMEOUT:-280}" python scripts/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \
-        --variant v_perm=1 "v_perm=1,sum_mma=1" "v_perm=1,sum_mma=1,lazy_rescale=1" \
-        "v_perm=1,sum_mma=1,exp2_emu=6" "v_perm=1,sum_mma=1,exp2_emu=4" "v_perm=1,sum_mma=1,exp2_emu=0" \
-        "v_perm=1,sum_mma=1,tile_n=224" > "$OUT/tune_fp8.log" 2>&1
+        --variant v_perm=1 "v_perm=1,sum_mma=0" "v_perm=1,tile_n=224" "v_perm=1,stages=3" \
+        "v_perm=1,lazy_rescale=1" "v_perm=1,exp2_emu=16" > "$OUT/tune_fp8.log" 2>&1
       echo "== fp8tune rc=$?"
       grep -E "^d[0-9]|WRONG|ERROR" "$OUT/tune_fp8.log" ;;
     fp8)

@@ -34,7 +34,6 @@ from cute_flash.ampere import common
 from cute_flash.fp8_ref import P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
 from cute_flash.kernels.layout import acc_to_mn
-from cute_flash.kernels.softmax import OnlineSoftmax
 
 # Columns of the ones block (the narrowest wgmma N).
 SUM_COLS = 8
