@@ -68,10 +68,10 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # the QGMMA rate). The sums are then of the e4m3-rounded P that P V multiplied; each block's
     # sum restarts in the wgmma and is added in fp32 registers (the fp8 accumulator keeps ~14
     # bits: carried across blocks, the sum came out 15% low at 8k keys). None: on at d = 128 for
-    # dense inputs (session 8, N = 8k / 16k with V in the kernel order, non-causal | causal:
-    # 885-863 | 819-865 -> 912-951 | 853-918 TFLOP/s together with every exponential on the MUFU,
-    # the FMA pipe now having fewer free slots). Varlen and sliding windows: compiled and
-    # CPU-checked but not measured on the GPU, off.
+    # dense and packed inputs (session 8, N = 8k / 16k with V in the kernel order, non-causal |
+    # causal: 885-863 | 819-865 -> 912-951 | 853-918 TFLOP/s together with every exponential on
+    # the MUFU, the FMA pipe now having fewer free slots). Sliding windows (their own smaller
+    # tile, never tuned): compiled and CPU-checked, off.
     sum_mma: bool | None = None
     # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
     # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
@@ -101,7 +101,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.sum_mma is None:
-            object.__setattr__(self, "sum_mma", self.hdim == 128 and not self.varlen and not self.local)
+            object.__setattr__(self, "sum_mma", self.hdim == 128 and not self.local)
         if self.exp2_emu is None:
             emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
             if self.sum_mma:

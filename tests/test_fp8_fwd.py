@@ -33,10 +33,10 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=m == "ca
              for d in (64, 128, 256) for m in ("plain", "causal", "local")]
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=c, pack_gqa=p)
              for d, c, p in ((64, False, 8), (128, True, 4), (256, False, 8))]
-# Row sums of P on the tensor cores (d = 128; on by default for dense inputs, so the lists above
-# cover the dense launch shapes): where it is off by default, and static persistent.
+# Row sums of P on the tensor cores (d = 128; on by default but for windows, so the lists above
+# cover the other launch shapes): with a window, and static persistent.
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, sum_mma=True, **kw)
-             for kw in (dict(local=True), dict(varlen=True, causal=True), dict(v_perm=True, num_ctas=132))]
+             for kw in (dict(local=True), dict(v_perm=True, num_ctas=132))]
 # The O rescale skipped while no row's max grows past the threshold, alone and with sum_mma.
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, lazy_rescale=True, **kw)
              for d, kw in ((128, dict(v_perm=True)), (128, dict(v_perm=True, causal=True, sum_mma=True)),
@@ -227,6 +227,14 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
                                      v_perm=v_perm, sum_quantized_p=sum_mma)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
+    _check_lse(lse, ref_lse, sum_mma)
+
+
+def _check_lse(lse, ref_lse, sum_mma: bool) -> None:
+    import math
+
+    import torch
+
     if not sum_mma:
         assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
         return
@@ -402,11 +410,13 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, window_size=window,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
     torch.cuda.synchronize()
+    sum_mma = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1),
+                               varlen=True).sum_mma
     ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
-                                            causal=causal, window_size=window)
+                                            causal=causal, window_size=window, sum_quantized_p=sum_mma)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
-    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    _check_lse(lse, ref_lse, sum_mma)
 
 
 @pytest.mark.gpu
