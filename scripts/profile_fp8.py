@@ -5,6 +5,9 @@
     python scripts/profile_fp8.py --host    host time per call and a cProfile of it (the varlen
                                             benchmarks swung 430 <-> 600 TFLOP/s between runs: a
                                             host-bound loop)
+    python scripts/profile_fp8.py --steps   host time of the steps inside varlen fp8=True: the two
+                                            ops, the quantize function without the op, one kernel
+                                            executor call, a small allocation, a cache lookup
 """
 
 from __future__ import annotations
@@ -66,10 +69,53 @@ def host_times(name: str, fn, iters: int = 50) -> None:
     pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
 
 
+def step_host_times(iters: int = 200) -> None:
+    """Host microseconds per call of each step of varlen ``fp8=True`` (no sync inside the loop;
+    small enough that the GPU keeps up and the launch queue never blocks)."""
+    from cute_flash import jit
+    from cute_flash.fp8_ref import varlen_v_offsets
+    from cute_flash.quant import _signs, quant_configs, quantize_qkv_varlen
+
+    d, h, seqs, n = 128, 16, 8, 256
+    cu = torch.tensor([0, *range(n, n * seqs + 1, n)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(n * seqs, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ops = torch.ops.cute_flash
+    q8, k8, v8, *ds = ops.quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0, True)
+    cfg = quant_configs("bf16", d, True, varlen=True, v_aligned=True)[0]
+    amax_fn = jit.compile_kernel(cfg)
+    amax = torch.zeros(seqs, h, device="cuda")
+    signs = _signs(d, 0, q.device)
+    steps = {
+        "op quantize_qkv_varlen": lambda: ops.quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0, True),
+        "quant.quantize_qkv_varlen (no op)": lambda: quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0,
+                                                                         True),
+        "op varlen_fwd_fp8": lambda: ops.varlen_fwd_fp8(q8, k8, v8, cu, cu, n, n, *ds, 0.088, False, -1, -1,
+                                                        torch.bfloat16, True),
+        "one quantize kernel call": lambda: amax_fn(q, signs, amax, q8, cu, n, None),
+        "torch.zeros(8, 16)": lambda: torch.zeros(seqs, h, device="cuda"),
+        "jit.compile_kernel lookup": lambda: jit.compile_kernel(cfg),
+        "varlen_v_offsets (cached)": lambda: varlen_v_offsets(cu, n * seqs),
+    }
+    for name, fn in steps.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - t0) / iters
+        torch.cuda.synchronize()
+        print(f"step {name}: host {host * 1e6:.1f} us/call", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true", help="host time and cProfile instead of kernel times")
+    ap.add_argument("--steps", action="store_true", help="host time of the steps of varlen fp8=True")
     args = ap.parse_args()
+    if args.steps:
+        step_host_times()
+        return
     for name, fn in cases().items():
         for _ in range(5):  # compile, warm the caches
             fn()
