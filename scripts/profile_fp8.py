@@ -69,14 +69,14 @@ def host_times(name: str, fn, iters: int = 50) -> None:
     pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
 
 
-def step_host_times(iters: int = 200) -> None:
+def step_host_times(n: int = 256, iters: int = 100) -> None:
     """Host microseconds per call of each step of varlen ``fp8=True`` (no sync inside the loop;
     small enough that the GPU keeps up and the launch queue never blocks)."""
     from cute_flash import jit
     from cute_flash.fp8_ref import varlen_v_offsets
     from cute_flash.quant import _signs, quant_configs, quantize_qkv_varlen
 
-    d, h, seqs, n = 128, 16, 8, 256
+    d, h, seqs = 128, 16, 8
     cu = torch.tensor([0, *range(n, n * seqs + 1, n)], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(n * seqs, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ops = torch.ops.cute_flash
@@ -86,6 +86,8 @@ def step_host_times(iters: int = 200) -> None:
     amax = torch.zeros(seqs, h, device="cuda")
     signs = _signs(d, 0, q.device)
     steps = {
+        "flash_attn_varlen_func fp8=True": lambda: flash_attn_varlen_func(q, k, v, cu, cu, n, n, fp8=True),
+        "flash_attn_varlen_func e4m3": lambda: flash_attn_varlen_func(q8, k8, k8, cu, cu, n, n),
         "op quantize_qkv_varlen": lambda: ops.quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0, True),
         "quant.quantize_qkv_varlen (no op)": lambda: quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0,
                                                                          True),
@@ -105,16 +107,19 @@ def step_host_times(iters: int = 200) -> None:
             fn()
         host = (time.perf_counter() - t0) / iters
         torch.cuda.synchronize()
-        print(f"step {name}: host {host * 1e6:.1f} us/call", flush=True)
+        wall = (time.perf_counter() - t0) / iters
+        print(f"step n={n} {name}: host {host * 1e6:.1f} us/call, wall {wall * 1e6:.1f}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true", help="host time and cProfile instead of kernel times")
-    ap.add_argument("--steps", action="store_true", help="host time of the steps of varlen fp8=True")
+    ap.add_argument("--steps", type=int, nargs="*", help="host time of the steps of varlen fp8=True, "
+                    "at these sequence lengths (8 sequences)")
     args = ap.parse_args()
-    if args.steps:
-        step_host_times()
+    if args.steps is not None:
+        for n in args.steps or [256]:
+            step_host_times(n)
         return
     for name, fn in cases().items():
         for _ in range(5):  # compile, warm the caches
