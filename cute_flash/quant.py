@@ -34,6 +34,9 @@ class QuantizeConfig(jit.KernelConfig):
     # Varlen V: each sequence written from its own 16-aligned start (``fp8_ref.varlen_v_offsets``,
     # the varlen FP8 kernel's V layout) instead of at its cu_seqlens offset.
     v_aligned: bool = False
+    # Lanes per row (``hopper.quant``): 32, or 4 / 8 / 16 for Q and K -- a warp then rotates 32 / L
+    # rows at once with fewer shuffle rounds. Needs ``rows`` a multiple of 16 * 32 / L.
+    lanes_per_row: int = 32
 
     kernel_name = "quantize"
 
@@ -51,6 +54,14 @@ class QuantizeConfig(jit.KernelConfig):
             raise ValueError("quantize: v_aligned places packed V (varlen, transposed quant phase)")
         if self.dtype == "e4m3" and not relayout_only:
             raise ValueError("quantize: e4m3 input only re-lays V out (transpose, quant phase)")
+        if self.lanes_per_row not in (4, 8, 16, 32) or self.hdim // self.lanes_per_row < 2:
+            raise ValueError(f"quantize: lanes_per_row must be 4, 8, 16 or 32 (at most d / 2), got "
+                             f"{self.lanes_per_row}")
+        if self.lanes_per_row != 32 and self.transpose:
+            raise ValueError("quantize: V (transposed through smem) takes a whole warp per row")
+        if self.rows % (16 * 32 // self.lanes_per_row):
+            raise ValueError(f"quantize: rows must be a multiple of {16 * 32 // self.lanes_per_row} "
+                             f"with {self.lanes_per_row} lanes per row")
         if self.v_perm and self.varlen:
             # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
             raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
@@ -90,13 +101,23 @@ class QuantizeConfig(jit.KernelConfig):
         return x, signs, amax, out, None, cutlass.Int32(0), None, jit.fake_stream()
 
 
+# Q / K lanes per row (``QuantizeConfig.lanes_per_row``). Session 8, compiled and CPU-checked, not
+# yet measured on the GPU: a whole warp per row (the measured kernels) until it is. A module
+# setting so the benchmarks and the GPU tests can switch it.
+QK_LANES_PER_ROW = 32
+
+
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
-                  varlen: bool = False, v_aligned: bool = False) -> list[QuantizeConfig]:
+                  varlen: bool = False, v_aligned: bool = False,
+                  qk_lanes: int | None = None) -> list[QuantizeConfig]:
     """Every kernel ``quantize_qkv`` (``varlen``: ``quantize_qkv_varlen``) launches: amax and quant
-    phases for Q / K and for V."""
+    phases for Q / K and for V (``qk_lanes``: Q / K's lanes per row, None = ``QK_LANES_PER_ROW``)."""
+    lanes = QK_LANES_PER_ROW if qk_lanes is None else qk_lanes
+    rows = max(64, 16 * 32 // lanes)
     return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
                            v_perm=v_perm and tr and ph == "quant", varlen=varlen,
-                           v_aligned=v_aligned and tr and ph == "quant")
+                           v_aligned=v_aligned and tr and ph == "quant",
+                           **({} if tr or lanes == 32 else dict(lanes_per_row=lanes, rows=rows)))
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 

@@ -17,11 +17,15 @@ import traceback
 import torch
 import triton.testing
 
+from cute_flash import quant
 from cute_flash.fp8_ref import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
 from cute_flash.fwd import run_fwd
 from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 from cute_flash.reference import attention_ref
+
+# Q / K lanes per row tried beside the default (``quant.QK_LANES_PER_ROW``); --qk-lanes.
+QK_LANES: list[int] = []
 
 
 def bench(fn) -> float:
@@ -59,11 +63,24 @@ def accuracy(d: int) -> None:
 def quant_speed(d: int, n: int) -> None:
     b, h = max(1, 16384 // n), 2048 // d
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    ms = bench(lambda: quantize_qkv(q, k, v, rotate=True))
     moved = 3 * q.numel() * (2 + 2 + 1)  # two bf16 reads (amax, quant) and one e4m3 write each
     ideal = 3 * q.numel() * (2 + 1)
-    print(f"quantize d={d} N={n}: {ms * 1e3:.0f} us, {moved / ms / 1e6:.0f} GB/s moved "
-          f"({ideal / ms / 1e6:.0f} GB/s of one-pass traffic)", flush=True)
+    default = quant.QK_LANES_PER_ROW
+    # Q / K with fewer lanes per row (several rows per warp, fewer shuffle rounds), interleaved
+    # with the default so both see the same clocks.
+    options = [default, *(x for x in QK_LANES if x != default and d // x >= 2)]
+    times: dict[int, list[float]] = {x: [] for x in options}
+    try:
+        for r in range(3):
+            for x in options[r % len(options):] + options[:r % len(options)]:
+                quant.QK_LANES_PER_ROW = x
+                times[x].append(bench(lambda: quantize_qkv(q, k, v, rotate=True)))
+    finally:
+        quant.QK_LANES_PER_ROW = default
+    for x in options:
+        ms = statistics.median(times[x])
+        print(f"quantize d={d} N={n} qk_lanes={x}: {ms * 1e3:.0f} us, {moved / ms / 1e6:.0f} GB/s moved "
+              f"({ideal / ms / 1e6:.0f} GB/s of one-pass traffic)", flush=True)
 
 
 def attn_speed(d: int, n: int, causal: bool) -> None:
@@ -106,7 +123,10 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"])
+    ap.add_argument("--qk-lanes", type=int, nargs="*", default=[8, 16],
+                    help="Q / K lanes per row to time beside the default")
     args = ap.parse_args()
+    QK_LANES[:] = args.qk_lanes
     for d in args.hdim:
         if "accuracy" in args.parts:
             guarded(f"accuracy d={d}", lambda d=d: accuracy(d))

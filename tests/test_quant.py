@@ -32,21 +32,29 @@ VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, tra
                             v_perm=p) for d in (64, 128, 256) for p in (False, True)]
 VARIANTS += [QuantizeConfig(target=None, dtype="e4m3", hdim=d, rotate=False, transpose=True, phase="quant",
                             varlen=True, v_aligned=True) for d in (64, 128, 256)]
+# Q / K with several rows per warp (fewer lanes per row, fewer shuffle rounds), dense and packed.
+VARIANTS += [c for d, lanes, varlen in ((64, 16, False), (128, 8, False), (128, 4, False), (256, 16, False),
+                                        (128, 8, True), (256, 8, True))
+             for c in quant_configs("bf16", d, rotate=True, varlen=varlen, qk_lanes=lanes) if not c.transpose]
 VARIANTS = [QuantizeConfig(**{**c.__dict__, "target": "sm_90a"}) for c in VARIANTS]
 
 
 def _id(c: QuantizeConfig) -> str:
     v = "v-kernel-order" if c.v_perm else "v-aligned" if c.v_aligned else "v"
     packed = "-varlen" if c.varlen else ""
-    return f"{c.dtype}-d{c.hdim}-{c.phase}-" + (v if c.transpose else "qk-rot" if c.rotate else "qk") + packed
+    lanes = f"-{c.lanes_per_row}-lanes" if c.lanes_per_row != 32 else ""
+    kind = v if c.transpose else "qk-rot" if c.rotate else "qk"
+    return f"{c.dtype}-d{c.hdim}-{c.phase}-{kind}{packed}{lanes}"
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=_id)
 def test_quantize_kernels_compile_with_shuffles_converts_and_no_local_memory(cfg: QuantizeConfig) -> None:
     ptx, _ = jit.compile_artifacts(cfg)
-    lanes = cfg.hdim // 32
-    # 5 cross-lane stages, one shuffle per element, for each of the rows a warp has in flight.
-    butterflies = 5 * lanes * ROWS_IN_FLIGHT if cfg.rotate else 0
+    per_lane = cfg.hdim // cfg.lanes_per_row
+    # log2(lanes per row) cross-lane stages (5 for a whole warp), one shuffle per element, for each
+    # of the rows a warp has in flight.
+    stages = cfg.lanes_per_row.bit_length() - 1
+    butterflies = stages * per_lane * ROWS_IN_FLIGHT if cfg.rotate else 0
     reduce = 5 if cfg.phase == "amax" else 0  # the warp's max
     assert _count(ptx, r"shfl\.sync\.bfly") == butterflies + reduce
     # Those rows' loads all issue before the first is used (latency: one row at a time left the
@@ -61,7 +69,7 @@ def test_quantize_kernels_compile_with_shuffles_converts_and_no_local_memory(cfg
         assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2") == 0
     else:
         # Two fp32 values per convert, saturating at +-448 (e4m3 has no infinity).
-        assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == lanes // 2 * ROWS_IN_FLIGHT
+        assert _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == per_lane // 2 * ROWS_IN_FLIGHT
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.transpose and cfg.phase == "quant":
         assert _count(ptx, r"st\.global\.v4\.(b|u)32") >= 1, "16-token stores of V^T"
@@ -82,6 +90,10 @@ def test_quantize_config_rejects_what_the_kernel_cannot_do() -> None:
         QuantizeConfig(target="sm_90a", rotate=True, v_perm=True)
     with pytest.raises(ValueError, match="varlen"):
         QuantizeConfig(target="sm_90a", rotate=False, transpose=True, v_perm=True, varlen=True)
+    for kw in (dict(lanes_per_row=2), dict(lanes_per_row=12),
+               dict(rotate=False, transpose=True, lanes_per_row=8), dict(lanes_per_row=4, rows=64)):
+        with pytest.raises(ValueError, match="lanes_per_row|rows|whole warp"):
+            QuantizeConfig(target="sm_90a", **kw)
     for kw in (dict(rotate=True), dict(rotate=False), dict(rotate=False, transpose=True, phase="amax")):
         with pytest.raises(ValueError, match="e4m3"):
             QuantizeConfig(target="sm_90a", dtype="e4m3", **kw)
@@ -127,6 +139,46 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
     _quant_close(got, ref)
     # V: sequence-contiguous; in the kernel order, the whole (B, H_kv, d, N_pad) storage.
     assert got[2].stride(-1 if v_perm else 1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
+@pytest.mark.parametrize("d,lanes,varlen", [(64, 16, False), (128, 8, False), (128, 4, False),
+                                            (256, 16, False), (128, 8, True), (256, 8, True)])
+def test_several_rows_per_warp_quantize_q_and_k_bit_for_bit_as_one_row_per_warp(d: int, lanes: int,
+                                                                                varlen: bool,
+                                                                                monkeypatch) -> None:
+    """``QK_LANES_PER_ROW`` < 32: the same butterflies in the same order, only on other lanes, so
+    Q and K (and the descales) come out byte-identical to the whole-warp kernels; partial last
+    CTAs (rows past the end) and, packed, uneven sequences."""
+    import torch
+
+    from cute_flash import quant
+    from cute_flash.fp8_ref import outlier_qkv, quantize_qkv_ref
+
+    q, _, _ = outlier_qkv(2, 301, 4, d, seed=5, device="cuda", dtype=torch.bfloat16)
+    _, k, v = outlier_qkv(2, 157, 2, d, seed=6, device="cuda", dtype=torch.bfloat16)
+    if varlen:
+        lens_q, lens_k = [301, 0, 45, 255], [157, 3, 0, 154]
+        q, k, v = (x.reshape(-1, x.shape[2], d)[:sum(lens)] for x, lens in ((q, lens_q), (k, lens_k),
+                                                                            (v, lens_k)))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda") for x in (lens_q, lens_k))
+
+        def run():
+            return quant.quantize_qkv_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), seed=9)
+    else:
+        def run():
+            return quant.quantize_qkv(q, k, v, seed=9)
+    whole = run()
+    monkeypatch.setattr(quant, "QK_LANES_PER_ROW", lanes)
+    split = run()
+    for i in (0, 1):
+        assert torch.equal(_bytes(split[i]), _bytes(whole[i])), "qk"[i]
+    for a, b in zip(split[3:], whole[3:], strict=True):
+        assert torch.equal(a, b)
+    if not varlen:
+        _quant_close(split, quantize_qkv_ref(q, k, v, rotate_qk=True, seed=9))
 
 
 def _bytes(t):
@@ -260,18 +312,20 @@ def test_quantize_qkv_varlen_matches_the_reference_within_one_e4m3_step(d: int, 
     assert (store[..., tk:] == 0).all(), "V padding"
 
 
+@pytest.mark.parametrize("n_lanes", [32, 8, 4])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_lane_butterflies_are_the_reference_transform(d: int) -> None:
-    """The kernel's data movement, emulated: lane l holds elements l*E .. l*E+E-1; in-thread
-    butterflies for index bits below log2(E), then per lane bit t a butterfly shuffle where the
-    lane with bit t clear keeps a + b and its partner a - b -- equal to ``fp8_ref.fwht``."""
+def test_lane_butterflies_are_the_reference_transform(d: int, n_lanes: int) -> None:
+    """The kernel's data movement, emulated: lane l of a row's L lanes holds elements l*E ..
+    l*E+E-1 (E = d / L); in-thread butterflies for index bits below log2(E), then per lane bit t
+    (t < L) a butterfly shuffle where the lane with bit t clear keeps a + b and its partner
+    a - b -- equal to ``fp8_ref.fwht``, for a whole warp per row and for several rows per warp."""
     import torch
 
     from cute_flash.fp8_ref import fwht
 
-    e = d // 32
+    e = d // n_lanes
     x = torch.randn(d, dtype=torch.float64)
-    lanes = [x[i * e:(i + 1) * e].clone() for i in range(32)]
+    lanes = [x[i * e:(i + 1) * e].clone() for i in range(n_lanes)]
     s = 1
     while s < e:
         for y in lanes:
@@ -279,9 +333,9 @@ def test_lane_butterflies_are_the_reference_transform(d: int) -> None:
                 if j & s == 0:
                     y[j], y[j + s] = y[j] + y[j + s], y[j] - y[j + s]
         s *= 2
-    for t in (1, 2, 4, 8, 16):
+    for t in [1 << i for i in range(n_lanes.bit_length() - 1)]:
         old = [y.clone() for y in lanes]
-        for lane in range(32):
+        for lane in range(n_lanes):
             other = old[lane ^ t]
             lanes[lane] = old[lane] + other if lane & t == 0 else other - old[lane]
     got = torch.cat(lanes) / d**0.5

@@ -10,7 +10,11 @@ CuTe-DSL kernel, in two phases over the same grid.
 One warp per row of d elements (a (token, head) vector), lane l holding elements l * E .. l * E +
 E - 1 (E = d / 32): a row is one coalesced load, and the fast Walsh-Hadamard transform M = D H /
 sqrt(d) runs its strides below E inside the thread and its strides E .. d / 2 across lanes (one
-butterfly shuffle per element and stride). Each CTA owns ``rows`` tokens of one head, so the
+butterfly shuffle per element and stride: 20 per row at d = 128). With ``lanes_per_row`` L < 32
+(Q / K only) a warp holds 32 / L rows at once, L lanes each with E = d / L elements: more of the
+strides stay inside the thread, log2(L) shuffle rounds instead of 5 (12 per row at d = 128 and
+L = 8) -- for when the shuffle pipe (one warp-wide shuffle per clock per SM), not DRAM, bounds
+the Q / K passes. Each CTA owns ``rows`` tokens of one head, so the
 amax phase issues one atomic per warp.
 
 Varlen (``cfg.varlen``): x is packed (T, H, d) with int32 ``cu_seqlens`` (S + 1,), the grid is
@@ -47,8 +51,13 @@ class QuantizeSm90:
         self.hdim, self.rows = cfg.hdim, cfg.rows
         self.rotate, self.transpose, self.phase = cfg.rotate, cfg.transpose, cfg.phase
         self.v_perm, self.varlen = cfg.v_perm, cfg.varlen
-        self.per_lane = self.hdim // 32
+        self.lanes = cfg.lanes_per_row
+        self.rows_per_warp = 32 // self.lanes
+        self.per_lane = self.hdim // self.lanes
+        # Rows between a lane's consecutive rows in flight (all warps' rows at one step).
+        self.row_step = NUM_WARPS * self.rows_per_warp
         assert self.rows % (NUM_WARPS * 16) == 0 and 16 % ROWS_IN_FLIGHT == 0
+        assert self.rows % (self.row_step * ROWS_IN_FLIGHT) == 0
         # Packed V: a CTA's tokens start anywhere, not on a 16-token chunk, so its smem tile spans
         # the 16-aligned chunks around them -- one chunk more than its rows.
         self.tile_rows = self.rows + 16 if self.varlen else self.rows
@@ -93,7 +102,7 @@ class QuantizeSm90:
         # GQA: the scale of query head h is its kv head's, h // (H / H_kv).
         head_kv = head // (mX.shape[2] // mAmax.shape[1])
         amax_ptr = mAmax.iterator + cute.crd2idx((batch, head_kv), mAmax.layout)
-        signs = self.lane_signs(mSigns, lane)
+        signs = self.lane_signs(mSigns, self.sub_lane(lane))
         if cutlass.const_expr(self.varlen):
             seq = SeqlenInfo(batch, mX.shape[0], mX.shape[0], mCuSeqlens)
             at = (head, batch, seq.offset_q)
@@ -124,6 +133,19 @@ class QuantizeSm90:
     # ------------------------------------------------------------------------------------------
     # One row: load, rotate
     # ------------------------------------------------------------------------------------------
+    def sub_lane(self, lane: Int32):
+        """The lane's place within its row (its slice of the d elements)."""
+        if cutlass.const_expr(self.lanes == 32):
+            return lane
+        return lane % self.lanes
+
+    def first_row(self, n_block: Int32, r: Int32, warp: Int32, lane: Int32):
+        """This lane's first row of loop step r (its others follow ``row_step`` apart)."""
+        n0 = n_block * self.rows + r * self.row_step * ROWS_IN_FLIGHT + warp * self.rows_per_warp
+        if cutlass.const_expr(self.lanes != 32):
+            n0 = n0 + lane // self.lanes
+        return n0
+
     @cute.jit
     def lane_signs(self, mSigns: cute.Tensor, lane: Int32):
         s = cute.make_rmem_tensor(self.per_lane, Float32)
@@ -151,10 +173,10 @@ class QuantizeSm90:
 
     @cute.jit
     def load_rows(self, mX: cute.Tensor, n0: Int32, seqlen: Int32, at: tuple, lane: Int32):
-        """Rows n0, n0 + NUM_WARPS, ... (ROWS_IN_FLIGHT of them), every load issued before any
+        """Rows n0, n0 + row_step, ... (ROWS_IN_FLIGHT of them), every load issued before any
         is used: one 2..16-byte load per lane and row leaves the memory system idle while the
         warp waits on it (Little's law: ~26 KiB in flight per SM to reach 4.8 TB/s)."""
-        return [self.load_raw(mX, n0 + i * NUM_WARPS, n0 + i * NUM_WARPS < seqlen, at, lane)
+        return [self.load_raw(mX, n0 + i * self.row_step, n0 + i * self.row_step < seqlen, at, lane)
                 for i in range(ROWS_IN_FLIGHT)]
 
     @cute.jit
@@ -175,7 +197,8 @@ class QuantizeSm90:
         a, b -> a + b, a - b for index pairs that differ in one bit, lowest bit first)."""
         e = self.per_lane
         in_thread = [1 << i for i in range(e.bit_length() - 1)]  # index bits below log2(E)
-        across = [1 << i for i in range(5)]  # stride E * t: the partner sits in lane ^ t, same slot
+        # Stride E * t: the partner sits in lane ^ t, same slot (t < L: within the row's lanes).
+        across = [1 << i for i in range(self.lanes.bit_length() - 1)]
         for si in cutlass.range_constexpr(len(in_thread)):
             s = in_thread[si]
             for j in cutlass.range_constexpr(e):
@@ -199,12 +222,13 @@ class QuantizeSm90:
     def amax_rows(self, mX, signs, amax_ptr, at: tuple, seqlen: Int32, n_block: Int32, warp: Int32,
                   lane: Int32):
         m = Float32(0.0)
-        for r in cutlass.range(self.rows // (NUM_WARPS * ROWS_IN_FLIGHT), unroll=1):
-            n0 = n_block * self.rows + r * NUM_WARPS * ROWS_IN_FLIGHT + warp
-            raws = self.load_rows(mX, n0, seqlen, at, lane)
+        sub = self.sub_lane(lane)
+        for r in cutlass.range(self.rows // (self.row_step * ROWS_IN_FLIGHT), unroll=1):
+            n0 = self.first_row(n_block, r, warp, lane)
+            raws = self.load_rows(mX, n0, seqlen, at, sub)
             for i in cutlass.range_constexpr(ROWS_IN_FLIGHT):
                 # Rows past the end are zeros: no effect on the max.
-                y = self.rotate_row(raws[i], lane, signs)
+                y = self.rotate_row(raws[i], sub, signs)
                 for j in cutlass.range_constexpr(self.per_lane):
                     m = cute.arch.fmax(m, cute.arch.fmax(y[j], -y[j]))
         m = cute.arch.warp_reduction_max(m)
@@ -220,16 +244,17 @@ class QuantizeSm90:
     def quant_rows(self, mX, signs, mOut, amax_ptr, at: tuple, seqlen: Int32, n_block: Int32,
                    warp: Int32, lane: Int32):
         scale = self.scale_of(amax_ptr)
-        for r in cutlass.range(self.rows // (NUM_WARPS * ROWS_IN_FLIGHT), unroll=1):
-            n0 = n_block * self.rows + r * NUM_WARPS * ROWS_IN_FLIGHT + warp
-            raws = self.load_rows(mX, n0, seqlen, at, lane)
+        sub = self.sub_lane(lane)
+        for r in cutlass.range(self.rows // (self.row_step * ROWS_IN_FLIGHT), unroll=1):
+            n0 = self.first_row(n_block, r, warp, lane)
+            raws = self.load_rows(mX, n0, seqlen, at, sub)
             for i in cutlass.range_constexpr(ROWS_IN_FLIGHT):
-                n = n0 + i * NUM_WARPS
-                y = self.rotate_row(raws[i], lane, signs)  # the whole warp: its shuffles
+                n = n0 + i * self.row_step
+                y = self.rotate_row(raws[i], sub, signs)  # the whole warp: its shuffles
                 if n < seqlen:
                     q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
                     q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))  # cvt.rn.satfinite.e4m3x2
-                    cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (lane,)))
+                    cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (sub,)))
 
     @cute.jit
     def stage_row(self, raw, sT, row: Int32, scale: Float32, lane: Int32):
