@@ -14,8 +14,8 @@ butterfly shuffle per element and stride: 20 per row at d = 128). With ``lanes_p
 (Q / K only) a warp holds 32 / L rows at once, L lanes each with E = d / L elements: more of the
 strides stay inside the thread, log2(L) shuffle rounds instead of 5 (12 per row at d = 128 and
 L = 8) -- for when the shuffle pipe (one warp-wide shuffle per clock per SM), not DRAM, bounds
-the Q / K passes. Each CTA owns ``rows`` tokens of one head, so the
-amax phase issues one atomic per warp.
+the Q / K passes. Each CTA owns ``rows`` tokens of one head, so the amax phase issues one atomic
+per warp.
 
 Varlen (``cfg.varlen``): x is packed (T, H, d) with int32 ``cu_seqlens`` (S + 1,), the grid is
 (ceil(max_seqlen / rows), H, S) and a CTA owns rows [cu[s] + n_block * rows, ...) of sequence s,
