@@ -52,14 +52,20 @@ def kernel_times(name: str, fn, iters: int = 20) -> None:
     print(f"  total {sum(r[1] for r in rows):.1f}")
 
 
-def host_times(name: str, fn, iters: int = 50) -> None:
+def host_and_wall(fn, iters: int) -> tuple[float, float]:
+    """Microseconds per call: returned to the host (no sync inside the loop), and until the GPU is
+    done (after one sync)."""
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) / iters
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / iters
-    print(f"== {name}: host {host * 1e6:.0f} us/call, wall {wall * 1e6:.0f} us/call")
+    return host * 1e6, (time.perf_counter() - t0) / iters * 1e6
+
+
+def host_times(name: str, fn, iters: int = 50) -> None:
+    host, wall = host_and_wall(fn, iters)
+    print(f"== {name}: host {host:.0f} us/call, wall {wall:.0f} us/call")
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(iters):
@@ -102,13 +108,8 @@ def step_host_times(n: int = 256, iters: int = 100) -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host = (time.perf_counter() - t0) / iters
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / iters
-        print(f"step n={n} {name}: host {host * 1e6:.1f} us/call, wall {wall * 1e6:.1f}", flush=True)
+        host, wall = host_and_wall(fn, iters)
+        print(f"step n={n} {name}: host {host:.1f} us/call, wall {wall:.1f}", flush=True)
 
 
 def main() -> None:
