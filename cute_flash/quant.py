@@ -101,18 +101,30 @@ class QuantizeConfig(jit.KernelConfig):
         return x, signs, amax, out, None, cutlass.Int32(0), None, jit.fake_stream()
 
 
-# Q / K lanes per row (``QuantizeConfig.lanes_per_row``). Session 8, compiled and CPU-checked, not
-# yet measured on the GPU: a whole warp per row (the measured kernels) until it is. A module
-# setting so the benchmarks and the GPU tests can switch it.
-QK_LANES_PER_ROW = 32
+# Q / K lanes per row (``QuantizeConfig.lanes_per_row``) by head dim. Measured on the H200 (session 9,
+# ``scripts/bench_fp8.py``, whole quantize of Q, K, V at 2k-16k tokens): d = 128 with 8 lanes per row
+# 234-240 -> 201-207 us (the whole-warp row is bound by its 20 shuffles per row, 8 lanes need 12);
+# d = 256 with 8 / 16 lanes 242 -> 257 / 247 us (its rows are long enough that the whole warp is
+# bandwidth-bound, and 8 lanes per row hold 32 values per lane). Head dims not listed keep the
+# whole warp per row until measured. ``QK_LANES_PER_ROW`` (an int) overrides the table, for the
+# benchmarks and the GPU tests.
+QK_LANES_BY_HDIM = {128: 8}
+QK_LANES_PER_ROW: int | None = None
+
+
+def qk_lanes_per_row(hdim: int) -> int:
+    """Q / K lanes per row the quantize launches use at this head dim."""
+    if QK_LANES_PER_ROW is not None:
+        return QK_LANES_PER_ROW
+    return QK_LANES_BY_HDIM.get(hdim, 32)
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
                   varlen: bool = False, v_aligned: bool = False,
                   qk_lanes: int | None = None) -> list[QuantizeConfig]:
     """Every kernel ``quantize_qkv`` (``varlen``: ``quantize_qkv_varlen``) launches: amax and quant
-    phases for Q / K and for V (``qk_lanes``: Q / K's lanes per row, None = ``QK_LANES_PER_ROW``)."""
-    lanes = QK_LANES_PER_ROW if qk_lanes is None else qk_lanes
+    phases for Q / K and for V (``qk_lanes``: Q / K's lanes per row, None = ``qk_lanes_per_row``)."""
+    lanes = qk_lanes_per_row(hdim) if qk_lanes is None else qk_lanes
     rows = max(64, 16 * 32 // lanes)
     return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
                            v_perm=v_perm and tr and ph == "quant", varlen=varlen,

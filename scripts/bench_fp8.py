@@ -24,7 +24,7 @@ from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 from cute_flash.reference import attention_ref
 
-# Q / K lanes per row tried beside the default (``quant.QK_LANES_PER_ROW``); --qk-lanes.
+# Q / K lanes per row tried beside the default (``quant.qk_lanes_per_row``); --qk-lanes.
 QK_LANES: list[int] = []
 
 
@@ -65,10 +65,11 @@ def quant_speed(d: int, n: int) -> None:
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     moved = 3 * q.numel() * (2 + 2 + 1)  # two bf16 reads (amax, quant) and one e4m3 write each
     ideal = 3 * q.numel() * (2 + 1)
-    default = quant.QK_LANES_PER_ROW
+    default = quant.qk_lanes_per_row(d)
     # Q / K with fewer lanes per row (several rows per warp, fewer shuffle rounds), interleaved
     # with the default so both see the same clocks.
     options = [default, *(x for x in QK_LANES if x != default and d // x >= 2)]
+    override = quant.QK_LANES_PER_ROW
     times: dict[int, list[float]] = {x: [] for x in options}
     try:
         for r in range(3):
@@ -76,7 +77,7 @@ def quant_speed(d: int, n: int) -> None:
                 quant.QK_LANES_PER_ROW = x
                 times[x].append(bench(lambda: quantize_qkv(q, k, v, rotate=True)))
     finally:
-        quant.QK_LANES_PER_ROW = default
+        quant.QK_LANES_PER_ROW = override
     for x in options:
         ms = statistics.median(times[x])
         print(f"quantize d={d} N={n} qk_lanes={x}: {ms * 1e3:.0f} us, {moved / ms / 1e6:.0f} GB/s moved "
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"])
-    ap.add_argument("--qk-lanes", type=int, nargs="*", default=[8, 16],
+    ap.add_argument("--qk-lanes", type=int, nargs="*", default=[8, 16, 32],
                     help="Q / K lanes per row to time beside the default")
     args = ap.parse_args()
     QK_LANES[:] = args.qk_lanes

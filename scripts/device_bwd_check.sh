@@ -42,7 +42,7 @@ for p in "${parts[@]}"; do
       # costs a stage), one Q / dO stage with the writer.
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
-        --seqlen 4096 8192 --causal 1 --variant "lpt=0" "dq_warp=0" "stages=1" "lpt=0,dq_warp=0" \
+        --seqlen ${BWD_TUNE_SEQLENS:-4096 8192} --causal 1 --variant ${BWD_TUNE_VARIANTS:-lpt=0 dq_warp=0 stages=1 lpt=0,dq_warp=0} \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;

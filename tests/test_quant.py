@@ -170,6 +170,7 @@ def test_several_rows_per_warp_quantize_q_and_k_bit_for_bit_as_one_row_per_warp(
     else:
         def run():
             return quant.quantize_qkv(q, k, v, seed=9)
+    monkeypatch.setattr(quant, "QK_LANES_PER_ROW", 32)
     whole = run()
     monkeypatch.setattr(quant, "QK_LANES_PER_ROW", lanes)
     split = run()
