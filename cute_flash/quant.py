@@ -103,12 +103,13 @@ class QuantizeConfig(jit.KernelConfig):
 
 # Q / K lanes per row (``QuantizeConfig.lanes_per_row``) by head dim. Measured on the H200 (session 9,
 # ``scripts/bench_fp8.py``, whole quantize of Q, K, V at 2k-16k tokens): d = 128 with 8 lanes per row
-# 234-240 -> 201-207 us (the whole-warp row is bound by its 20 shuffles per row, 8 lanes need 12);
+# 234-240 -> 201-207 us (the whole-warp row is bound by its 20 shuffles per row, 8 lanes need 12),
+# d = 64 272 -> 236 us;
 # d = 256 with 8 / 16 lanes 242 -> 257 / 247 us (its rows are long enough that the whole warp is
 # bandwidth-bound, and 8 lanes per row hold 32 values per lane). Head dims not listed keep the
 # whole warp per row until measured. ``QK_LANES_PER_ROW`` (an int) overrides the table, for the
 # benchmarks and the GPU tests.
-QK_LANES_BY_HDIM = {128: 8}
+QK_LANES_BY_HDIM = {64: 8, 128: 8}
 QK_LANES_PER_ROW: int | None = None
 
 

@@ -1,0 +1,74 @@
+"""Where the backward's time goes (developer tool, issue 4): per-kernel GPU time of our sm90
+backward (preprocess, main, postprocess) beside flash-attn-4's and cuDNN's kernels, from the
+torch profiler, so a gap in the end-to-end TFLOP/s is pinned on one launch.
+
+    python scripts/profile_bwd.py [--hdim 64 128] [--seqlen 2048] [--causal 1] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cute_flash.bwd_sm90 import run_bwd_sm90
+from cute_flash.fwd import run_fwd
+
+import tune_bwd_sm90  # noqa: E402  (same directory: peer closures)
+
+
+def kernel_times(fn, iters: int) -> tuple[dict[str, float], float]:
+    """Mean GPU microseconds per call of every kernel ``fn`` launches, and their sum."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:90]] += ev.device_time / iters
+    return dict(per), sum(per.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[2048])
+    ap.add_argument("--causal", type=int, nargs="+", default=[1])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"])
+    args = ap.parse_args()
+    for d in args.hdim:
+        for n in args.seqlen:
+            for causal in map(bool, args.causal):
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out = torch.empty_like(do)
+                lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+                run_fwd(q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1),
+                        softcap=0.0)
+                grads = [torch.empty_like(t) for t in (q, k, v)]
+                fns = {"ours": functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads,
+                                                 softmax_scale=d ** -0.5, causal=causal)}
+                for peer in args.peers:
+                    try:
+                        fns[peer] = tune_bwd_sm90.peer_bwd(peer, q, k, v, do, causal)
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print(f"{peer}: {type(e).__name__}: {e}")
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                for name, fn in fns.items():
+                    per, total = kernel_times(fn, args.iters)
+                    print(f"d{d} N{n} causal={int(causal)} {name}: {total:.0f} us of kernels "
+                          f"({flops / total / 1e6:.0f} TFLOP/s)", flush=True)
+                    for kname, us in sorted(per.items(), key=lambda x: -x[1]):
+                        print(f"    {us:8.1f} us  {kname}")
+
+
+if __name__ == "__main__":
+    main()
