@@ -72,6 +72,10 @@ SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
 SM90_BWD_PREFETCH_STATS = {(128, False)}
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
+# Session 9: per-kernel times (``scripts/profile_bwd.py``) put the d = 64 causal 2k gap to
+# flash-attn-4 in the main kernel, 777 vs 693 us, with a per-CTA difference (~2-2.7 us) about the
+# same at 2k and 8k keys: a fixed cost per CTA, not per block. Split loads: not yet measured.
+SM90_BWD_SPLIT_LOADS = False
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -140,6 +144,13 @@ class BwdSm90Config(jit.KernelConfig):
     # Postprocess: dQ through smem (stmatrix in, 16-byte row stores out) instead of 2- / 4-byte
     # stores from the fragment order (flash-attn-4 stages it too).
     post_stage_smem: bool | None = None
+    # Narrow kernel: K and V on a barrier each, Q + LSE2 and dO + D on two pipelines, so the first
+    # S^T of a CTA waits for K, Q and LSE2 alone (flash-attn-4's split) rather than all six loads.
+    # None = ``SM90_BWD_SPLIT_LOADS``.
+    split_loads: bool | None = None
+    # The dQ writer warp's last wait before the CTA exits: for its bulk reduce-adds' smem reads only
+    # (flash-attn-4), not for the adds to complete.
+    dq_exit_read_only: bool = True
 
     kernel_name = "bwd_sm90"
 
@@ -192,9 +203,9 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
         if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix
-                                or self.dkv_stmatrix or self.prefetch_stats):
+                                or self.dkv_stmatrix or self.prefetch_stats or self.split_loads):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
-                             "prefetch_stats are narrow-kernel (d <= 128) switches")
+                             "prefetch_stats / split_loads are narrow-kernel (d <= 128) switches")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
@@ -220,7 +231,8 @@ class BwdSm90Config(jit.KernelConfig):
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
-                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow)
+                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
+                    split_loads=SM90_BWD_SPLIT_LOADS and narrow)
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

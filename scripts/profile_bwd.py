@@ -12,12 +12,11 @@ import collections
 import functools
 
 import torch
+import tune_bwd_sm90  # noqa: E402  (same directory: peer closures)
 from torch.profiler import ProfilerActivity, profile
 
 from cute_flash.bwd_sm90 import run_bwd_sm90
 from cute_flash.fwd import run_fwd
-
-import tune_bwd_sm90  # noqa: E402  (same directory: peer closures)
 
 
 def kernel_times(fn, iters: int) -> tuple[dict[str, float], float]:

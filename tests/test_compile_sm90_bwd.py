@@ -73,6 +73,15 @@ VARIANTS = [
     # dK / dV to smem by stmatrix (default at d = 128, d = 64 non-causal).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, dkv_stmatrix=True)
     for d, c, vl in ((64, True, False), (96, False, True), (128, False, False), (128, True, True))
+] + [
+    # K / V on a barrier each, Q + LSE2 and dO + D on two pipelines (the first S^T waits for K, Q
+    # and LSE2 alone), with the schedules it is measured against.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=det,
+                  split_loads=True, **kw)
+    for d, c, vl, det, kw in ((64, True, False, False, {}), (64, False, False, False, {}),
+                              (128, True, False, False, {}), (128, False, True, False, {}),
+                              (96, True, False, True, {}), (64, True, False, False, dict(dkv_stmatrix=True)),
+                              (128, True, False, False, dict(dq_before_dk=False, ds_stages=1)))
 ]
 
 
@@ -83,7 +92,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem")
+             "post_stage_smem", "split_loads")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -285,6 +294,19 @@ def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (64, 96, 128)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_bwd_split_loads_keep_gradients_within_twice_pytorch_error(case: tuple,
+                                                                        deterministic: bool) -> None:
+    """K / V on a barrier each, Q + LSE2 and dO + D on their own pipelines: every narrow case
+    (GQA / MQA, windows, softcap, rows that see no key), also in deterministic mode."""
+    if deterministic and case not in (GPU_CASES[1], GPU_CASES[5], GPU_CASES[6]):
+        pytest.skip("deterministic mode: three cases")
+    _check_gradients(case, overrides=dict(split_loads=True), deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 def test_sm90_bwd_with_pdl_is_deterministic_and_right_in_deterministic_mode() -> None:
     _check_gradients(GPU_CASES[3], overrides=dict(pdl=True), deterministic=True)
 
@@ -339,9 +361,10 @@ def test_inspect_reports_the_sm90_backward_family() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True), (256, True), (96, True),
-                                      (192, False)])
-def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bool) -> None:
+@pytest.mark.parametrize("d,causal,split", [(128, False, False), (128, True, False), (64, True, False),
+                                            (256, True, False), (96, True, False), (192, False, False),
+                                            (64, True, True), (128, False, True)])
+def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bool, split: bool) -> None:
     import math
 
     import torch
@@ -362,7 +385,7 @@ def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bo
     out, lse = attention_ref(q, k, v, **kw)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, max_seqlen_q=max(lq),
-                 max_seqlen_k=max(lk), **kw)
+                 max_seqlen_k=max(lk), overrides=dict(split_loads=True) if split else None, **kw)
     torch.cuda.synchronize()
 
     def ref_grads(upcast: bool) -> tuple:

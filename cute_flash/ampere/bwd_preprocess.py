@@ -97,6 +97,18 @@ class FlashBwdPreSm80:
                                 (self.tile_m,), (m_block,))
         gD = cute.local_tile(bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
                              (self.tile_m,), (m_block,))
+        # LSE2: one row per thread, issued beside the O / dO loads -- coalesced, and one memory
+        # round trip instead of one per row of the row owners (their load -> store pairs could not
+        # be reordered: LSE2 might alias LSE as far as the compiler knows).
+        for r in cutlass.range_constexpr(cute.ceil_div(self.tile_m, self.num_threads)):
+            row = tidx + r * self.num_threads
+            if row < self.tile_m:
+                lse2 = Float32.inf
+                if row < rows_left:
+                    lse = gLSE[row]
+                    if lse != -Float32.inf:
+                        lse2 = lse * Float32(LOG2_E)
+                gLSE2[row] = lse2
         # All row sums first (the shuffles need the whole warp), then the writes, which only the
         # first lane of each row's group does: keeping the divergent stores out of the
         # reduction keeps ptxas from carrying partial sums across branches.
@@ -108,14 +120,7 @@ class FlashBwdPreSm80:
             dots[m] = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=self.threads_per_row)
         if tOcO[0, 0, 0][1] == 0:
             for m in cutlass.range_constexpr(num_rows):
-                row = tOcO[0, m, 0][0]
-                gD[row] = dots[m]  # 0 on padding rows (their O/dO were never loaded)
-                lse2 = Float32.inf
-                if row < rows_left:
-                    lse = gLSE[row]
-                    if lse != -Float32.inf:
-                        lse2 = lse * Float32(LOG2_E)
-                gLSE2[row] = lse2
+                gD[tOcO[0, m, 0][0]] = dots[m]  # 0 on padding rows (their O/dO were never loaded)
 
     @cute.jit
     def clear_accumulators(self, mdQaccum, mSemaphore, seqlen: SeqlenInfo, tidx, m_block, head, batch):

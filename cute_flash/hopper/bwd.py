@@ -110,6 +110,11 @@ class FlashBwdSm90:
         self.tx_kv = self.tile_n * (self.hdim + self.hdim_v) * elem
         # Q and dO of a query block plus its LSE2 and D rows (fp32), all on one mbarrier.
         self.tx_qdo = self.tile_m * (self.hdim + self.hdim_v) * elem + 2 * self.tile_m * 4
+        # ``split_loads``: K, V on a barrier each; Q + LSE2 and dO + D on two pipelines.
+        self.split_loads = cfg.split_loads
+        self.tx_k = self.tile_n * self.hdim * elem
+        self.tx_q = self.tile_m * (self.hdim * elem + 4)
+        self.tx_do = self.tile_m * (self.hdim_v * elem + 4)
 
     # ------------------------------------------------------------------------------------------
     # Layouts and MMAs
@@ -160,8 +165,10 @@ class FlashBwdSm90:
         return out
 
     def _storage(self):
-        fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+        fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 4 if self.split_loads else 2],
                   "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
+        if self.split_loads:
+            fields["mbar_do"] = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
         for name, layout in self.smem_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
         for name, layout in self.fp32_layouts().items():
@@ -224,12 +231,24 @@ class FlashBwdSm90:
         storage = SmemAllocator().allocate(Storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # ``split_loads``: the first S^T needs only K, Q and LSE2 (33 KB at d = 64 instead of 65 KB
+        # with V, dO and D): at 2k keys a CTA runs ~8 query blocks, so the start of every CTA --
+        # one per SM, nothing else to overlap it -- shows in the total. The K/V pipeline then has
+        # two single-use stages (K, V) and dO + D get their own pipeline beside Q + LSE2.
+        split = self.split_loads
         pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_kv, defer_sync=True)
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=2 if split else 1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_k if split else self.tx_kv, defer_sync=True)
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.tx_qdo, defer_sync=True)
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_q if split else self.tx_qdo,
+            defer_sync=True)
+        pipe_do = None
+        if cutlass.const_expr(split):
+            pipe_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                producer_group=producer, consumer_group=consumers, tx_count=self.tx_do, defer_sync=True)
+        pipes = common.Ctx(kv=pipe_kv, q=pipe_qdo, do=pipe_do)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -279,8 +298,12 @@ class FlashBwdSm90:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(24)
                 if warp_idx == 0:
-                    self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
-                              pipe_qdo, seqlen, work)
+                    if cutlass.const_expr(split):
+                        self.load_split(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipes,
+                                        seqlen, work)
+                    else:
+                        self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
+                                  pipe_qdo, seqlen, work)
                 if cutlass.const_expr(self.dq_warp):
                     if warp_idx == 1:
                         self.wait_for_preprocess()
@@ -289,7 +312,7 @@ class FlashBwdSm90:
                 cute.arch.setmaxregister_increase(240)
                 # (Deterministic mode's semaphores and the consumers' own dQ reductions.)
                 self.wait_for_preprocess()
-                self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen, work, scales,
+                self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipes, seqlen, work, scales,
                               window_left, window_right)
 
     # ------------------------------------------------------------------------------------------
@@ -319,6 +342,69 @@ class FlashBwdSm90:
             # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
             state = self.load_head(mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen, work,
                                    work.head_kv * work.group + g, state)
+
+    @cute.jit
+    def load_split(self, mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipes,
+                   seqlen: SeqlenInfo, work):
+        """``split_loads``: K, then per (query head, query block) in the consumers' order Q + LSE2
+        and dO + D on their own barriers; the first block issues K, Q, V, dO in the order the
+        GEMMs read them, and only its statistics wait for the preprocess (PDL)."""
+        one = cute.make_layout(1)
+        gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
+                             (work.n_block, 0))
+        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim_v),
+                             (work.n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        pipes.kv.producer_acquire(kv_state)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+        kv_state.advance()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for it in cutlass.range(self.num_work_items(work), unroll=1):
+            # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
+            state = self.load_block(mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes, seqlen,
+                                    work, it, state, kv_state)
+
+    @cute.jit
+    def load_block(self, mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes,
+                   seqlen: SeqlenInfo, work, it: Int32, state, kv_state):
+        """``load_split``'s item ``it``: Q + LSE2, then dO + D (and V, and the preprocess wait, before
+        the first block's dO and statistics)."""
+        # (Plain names: a ``Ctx`` cannot be carried through the run-time ``if`` below.)
+        pipe_kv, pipe_q, pipe_do = pipes.kv, pipes.q, pipes.do
+        one = cute.make_layout(1)
+        bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        head, m_block = self.work_item(work, it)
+        gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
+        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim_v), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        pipe_q.producer_acquire(state)
+        bar_q = pipe_q.producer_get_barrier(state)
+        cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
+        if it == 0:
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        pipe_do.producer_acquire(state)
+        bar_do = pipe_do.producer_get_barrier(state)
+        cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+        if it == 0:
+            # K, V, Q and dO are inputs; LSE2 and D come from the preprocess.
+            self.wait_for_preprocess()
+        gLSE2 = bwd_math.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
+        gD = bwd_math.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
+        with cute.arch.elect_one():
+            cute.copy(bulk, cute.local_tile(gLSE2, (self.tile_m,), (m_block,)), smem.sLSE2[None, state.index],
+                      mbar_ptr=bar_q)
+            cute.copy(bulk, cute.local_tile(gD, (self.tile_m,), (m_block,)), smem.sDsum[None, state.index],
+                      mbar_ptr=bar_do)
+        state.advance()
+        return state
 
     def wait_for_preprocess(self) -> None:
         """With ``pdl`` (this kernel may start before the preprocess ends): wait for it to finish
@@ -378,7 +464,7 @@ class FlashBwdSm90:
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipe_kv, pipe_qdo, seqlen: SeqlenInfo, work,
+    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipes, seqlen: SeqlenInfo, work,
                  scales, window_left, window_right):
         softmax_scale, score_scale, scale_log2 = scales
         tidx, _, _ = cute.arch.thread_idx()
@@ -394,12 +480,15 @@ class FlashBwdSm90:
         ctx.prev_valid, ctx.order_rank = work.prev_valid, work.order_rank
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                2 if self.split_loads else 1)
+        pipes.kv.consumer_wait(kv_state)
+        if cutlass.const_expr(self.split_loads):
+            kv_state.advance()  # V's stage: waited for before each dP^T (at once after the first)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         for it in cutlass.range(self.num_work_items(work), unroll=1):
             head, m_block = self.work_item(work, it)
-            self.one_m_block(ctx, pipe_qdo, state, head, m_block)
+            self.one_m_block(ctx, pipes, state, head, m_block, kv_state)
             state.advance()
         self.epilogue(ctx, mdK, mdV, softmax_scale)
 
@@ -475,16 +564,19 @@ class FlashBwdSm90:
         return dict(st_dS=tiled, thr_st_dS=thr, tRSsdSt=thr.partition_D(transpose_smem(smem.sdS)))
 
     @cute.jit
-    def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
+    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+        pipes.q.consumer_wait(state, pipes.q.consumer_try_wait(state))
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
         # This block's LSE2 / D rows came with its Q / dO (same stage). ``prefetch_stats``: read
         # into registers while S^T (then dP^T) is in flight, not after its wait, where each
         # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
         lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
+        if cutlass.const_expr(self.split_loads):
+            pipes.kv.consumer_wait(v_state)
+            pipes.do.consumer_wait(state, pipes.do.consumer_try_wait(state))
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
         dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None
@@ -524,14 +616,18 @@ class FlashBwdSm90:
             self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=-1)
             wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
                     zero_init=False, wg_wait=1)
+            if cutlass.const_expr(self.split_loads):
+                pipes.do.consumer_release(state)  # dV (its last reader) is done; dK still reads Q
             self.store_dq(ctx, acc_dQ, head, m_block)
             warpgroup.wait_group(0)
-            pipe_qdo.consumer_release(state)
+            pipes.q.consumer_release(state)
         else:
             self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=0)
             # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
             # pass the next block's EMPTY barrier).
-            pipe_qdo.consumer_release(state)
+            pipes.q.consumer_release(state)
+            if cutlass.const_expr(self.split_loads):
+                pipes.do.consumer_release(state)
             self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
@@ -682,7 +778,11 @@ class FlashBwdSm90:
                         cute.arch.cp_async_bulk_wait_group(num_wg - 1 - wg, read=True)
                     self.release_dq_chunk(wg, it, total)
         if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0)
+            # Only the smem reads must be done before the CTA leaves (its smem goes to the next
+            # CTA); the adds themselves complete in L2 and are visible to the postprocess at the
+            # grid boundary. Waiting for their completion held every CTA's exit (and so the next
+            # CTA's start on this SM) for a round trip of the last 32 KiB reduce-add.
+            cute.arch.cp_async_bulk_wait_group(0, read=cutlass.const_expr(self.cfg.dq_exit_read_only))
 
     @cute.jit
     def release_dq_chunk(self, wg: int, it: Int32, total: Int32):

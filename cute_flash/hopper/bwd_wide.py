@@ -86,10 +86,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))))
 
     @cute.jit
-    def one_m_block(self, ctx, pipe_qdo, state, head: Int32, m_block: Int32):
+    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+        pipes.q.consumer_wait(state, pipes.q.consumer_try_wait(state))
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
@@ -110,7 +110,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 wg_wait=-1)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
         wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
-        pipe_qdo.consumer_release(state)
+        pipes.q.consumer_release(state)
         self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
