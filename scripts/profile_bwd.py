@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--causal", type=int, nargs="+", default=[1])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"])
+    ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'lpt=0'")
     args = ap.parse_args()
     for d in args.hdim:
         for n in args.seqlen:
@@ -55,6 +56,11 @@ def main() -> None:
                 grads = [torch.empty_like(t) for t in (q, k, v)]
                 fns = {"ours": functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads,
                                                  softmax_scale=d ** -0.5, causal=causal)}
+                for var in args.variant:
+                    pairs = (kv.split("=") for kv in var.split(","))
+                    ov = {a: (x if a == "diag" else int(x)) for a, x in pairs}
+                    fns[var] = functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads,
+                                                 softmax_scale=d ** -0.5, causal=causal, overrides=ov)
                 for peer in args.peers:
                     try:
                         fns[peer] = tune_bwd_sm90.peer_bwd(peer, q, k, v, do, causal)
