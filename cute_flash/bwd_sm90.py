@@ -76,6 +76,7 @@ SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # flash-attn-4 in the main kernel, 777 vs 693 us, with a per-CTA difference (~2-2.7 us) about the
 # same at 2k and 8k keys: a fixed cost per CTA, not per block. Split loads: not yet measured.
 SM90_BWD_SPLIT_LOADS = False
+SM90_BWD_SPIN_WAITS = False
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -151,6 +152,10 @@ class BwdSm90Config(jit.KernelConfig):
     # The dQ writer warp's last wait before the CTA exits: for its bulk reduce-adds' smem reads only
     # (flash-attn-4), not for the adds to complete.
     dq_exit_read_only: bool = True
+    # mbarrier waits that poll (``kernels/waits.py``) instead of the DSL's sleeping wait, whose
+    # late wake-ups cost the forward ~20 us per tile on its persistent grid. None =
+    # ``SM90_BWD_SPIN_WAITS``.
+    spin_waits: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -232,7 +237,7 @@ class BwdSm90Config(jit.KernelConfig):
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
-                    split_loads=SM90_BWD_SPLIT_LOADS and narrow)
+                    split_loads=SM90_BWD_SPLIT_LOADS and narrow, spin_waits=SM90_BWD_SPIN_WAITS)
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

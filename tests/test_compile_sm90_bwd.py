@@ -82,6 +82,11 @@ VARIANTS = [
                               (128, True, False, False, {}), (128, False, True, False, {}),
                               (96, True, False, True, {}), (64, True, False, False, dict(dkv_stmatrix=True)),
                               (128, True, False, False, dict(dq_before_dk=False, ds_stages=1)))
+] + [
+    # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
+    for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
+                          (64, True, False, dict(split_loads=True)), (256, True, False, {}))
 ]
 
 
@@ -92,7 +97,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads")
+             "post_stage_smem", "split_loads", "spin_waits")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -265,7 +270,8 @@ def test_sm90_bwd_schedule_switches_keep_gradients_within_twice_pytorch_error(ca
 CANDIDATE_SWITCHES = {
     "prefetch-stats": dict(prefetch_stats=True), "dq-writer-batch": dict(dq_writer_batch=True),
     "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
-    "post-stage-smem": dict(post_stage_smem=True),
+    "post-stage-smem": dict(post_stage_smem=True), "spin-waits": dict(spin_waits=True),
+    "spin-waits-split-loads": dict(spin_waits=True, split_loads=True),
     "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 

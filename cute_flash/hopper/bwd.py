@@ -36,7 +36,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
 from cute_flash.hopper.fwd import acc_to_frgA_sm90, wg_gemm
-from cute_flash.kernels import bwd_math
+from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
@@ -112,6 +112,7 @@ class FlashBwdSm90:
         self.tx_qdo = self.tile_m * (self.hdim + self.hdim_v) * elem + 2 * self.tile_m * 4
         # ``split_loads``: K, V on a barrier each; Q + LSE2 and dO + D on two pipelines.
         self.split_loads = cfg.split_loads
+        self.spin_waits = cfg.spin_waits
         self.tx_k = self.tile_n * self.hdim * elem
         self.tx_q = self.tile_m * (self.hdim * elem + 4)
         self.tx_do = self.tile_m * (self.hdim_v * elem + 4)
@@ -331,7 +332,7 @@ class FlashBwdSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_kv.producer_acquire(kv_state)
+        waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         # K and V are inputs; LSE2 and D (with Q / dO, below) come from the preprocess.
@@ -359,7 +360,7 @@ class FlashBwdSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        pipes.kv.producer_acquire(kv_state)
+        waits.acquire_empty(pipes.kv, kv_state, self.spin_waits)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
         kv_state.advance()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -384,13 +385,13 @@ class FlashBwdSm90:
                                            cute.group_modes(gQ, 0, 2))
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))
-        pipe_q.producer_acquire(state)
+        waits.acquire_empty(pipe_q, state, self.spin_waits)
         bar_q = pipe_q.producer_get_barrier(state)
         cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
         if it == 0:
-            pipe_kv.producer_acquire(kv_state)
+            waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
             cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        pipe_do.producer_acquire(state)
+        waits.acquire_empty(pipe_do, state, self.spin_waits)
         bar_do = pipe_do.producer_get_barrier(state)
         cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
         if it == 0:
@@ -448,7 +449,7 @@ class FlashBwdSm90:
         tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))
         for m_block in cutlass.range(work.m_block_min, work.m_block_max, unroll=1):
-            pipe_qdo.producer_acquire(state)
+            waits.acquire_empty(pipe_qdo, state, self.spin_waits)
             bar = pipe_qdo.producer_get_barrier(state)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
@@ -482,7 +483,7 @@ class FlashBwdSm90:
         ctx.acc_dV.fill(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 2 if self.split_loads else 1)
-        pipes.kv.consumer_wait(kv_state)
+        waits.wait_full(pipes.kv, kv_state, self.spin_waits)
         if cutlass.const_expr(self.split_loads):
             kv_state.advance()  # V's stage: waited for before each dP^T (at once after the first)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -567,7 +568,7 @@ class FlashBwdSm90:
     def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        pipes.q.consumer_wait(state, pipes.q.consumer_try_wait(state))
+        waits.wait_full(pipes.q, state, self.spin_waits)
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
         # This block's LSE2 / D rows came with its Q / dO (same stage). ``prefetch_stats``: read
@@ -575,8 +576,8 @@ class FlashBwdSm90:
         # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
         lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
         if cutlass.const_expr(self.split_loads):
-            pipes.kv.consumer_wait(v_state)
-            pipes.do.consumer_wait(state, pipes.do.consumer_try_wait(state))
+            waits.wait_full(pipes.kv, v_state, self.spin_waits)
+            waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
         dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None

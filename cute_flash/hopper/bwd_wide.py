@@ -24,6 +24,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.ampere import common
 from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90, dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
+from cute_flash.kernels import waits
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
@@ -89,7 +90,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        pipes.q.consumer_wait(state, pipes.q.consumer_try_wait(state))
+        waits.wait_full(pipes.q, state, self.spin_waits)
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)

@@ -31,6 +31,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
+from cute_flash.kernels import waits
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, pack_heads, transpose_smem
@@ -581,36 +582,15 @@ class FlashFwdSm90:
         q_state.advance()
         return q_state, kv_state
 
-    # mbarrier waits. The DSL's plain wait is a try_wait loop with a 10 ms suspend-time hint,
-    # which ptxas emits as TRYWAIT + NANOSLEEP.SYNCS: a warp that finds the stage not ready is put
-    # to sleep, and it wakes up late. On the persistent grid that cost ~20 us per tile (the
-    # producer sleeping on Q's empty barrier through a whole tile; the consumers on Q's full
-    # one): N=512-1k ran at half the speed of one CTA per tile. ``spin_waits`` polls try_wait
-    # without the hint instead (a bounded hardware wait per poll, as CUTLASS C++'s barrier wait);
-    # otherwise the consumers poll once without the hint before the DSL's wait (flash-attn-4's
-    # order) and the producer takes the DSL's wait, which measured better for the 3-warpgroup
-    # causal d=64 tile (docs/notes.md).
-    @cute.jit
-    def spin(self, mbar_ptr, phase):
-        ready = cute.arch.mbarrier_try_wait(mbar_ptr, phase)
-        while not ready:
-            ready = cute.arch.mbarrier_try_wait(mbar_ptr, phase)
-        return ready
-
+    # mbarrier waits (``kernels/waits.py``). On the persistent grid the DSL's sleeping wait cost ~20
+    # us per tile (the producer sleeping on Q's empty barrier through a whole tile; the consumers
+    # on Q's full one): N=512-1k ran at half the speed of one CTA per tile. The producer's
+    # sleeping wait measured better for the 3-warpgroup causal d=64 tile (docs/notes.md).
     def wait_full(self, pipe, state) -> None:
-        """Consumer wait for a filled stage."""
-        if cutlass.const_expr(self.cfg.spin_waits):
-            pipe.consumer_wait(state, self.spin(pipe.sync_object_full.get_barrier(state.index), state.phase))
-        else:
-            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        waits.wait_full(pipe, state, self.cfg.spin_waits)
 
     def acquire_empty(self, pipe, state) -> None:
-        """Producer wait for a free stage (then the expected-transaction arrive for its TMA)."""
-        if cutlass.const_expr(self.cfg.spin_waits):
-            ready = self.spin(pipe.sync_object_empty.get_barrier(state.index), state.phase)
-            pipe.producer_acquire(state, ready)
-        else:
-            pipe.producer_acquire(state)
+        waits.acquire_empty(pipe, state, self.cfg.spin_waits)
 
     # Ping-pong scheduling (``pingpong``): the consumer warpgroups take turns issuing their GEMMs,
     # so one warpgroup's softmax overlaps the other's MMAs. Warpgroup w waits on barrier
