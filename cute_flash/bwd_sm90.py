@@ -72,11 +72,13 @@ SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
 SM90_BWD_PREFETCH_STATS = {(128, False)}
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
-# Session 9: per-kernel times (``scripts/profile_bwd.py``) put the d = 64 causal 2k gap to
-# flash-attn-4 in the main kernel, 777 vs 693 us, with a per-CTA difference (~2-2.7 us) about the
-# same at 2k and 8k keys: a fixed cost per CTA, not per block. Split loads: not yet measured.
-SM90_BWD_SPLIT_LOADS = False
-SM90_BWD_SPIN_WAITS = False
+# Session 9 (``scripts/tune_bwd_sm90.py``, one run, TFLOP/s, default -> split loads + polling waits):
+# d = 64 causal 2k 381 -> 396, 8k 465 -> 493, non-causal 2k 458 -> 477, 8k 516 -> 529; d = 128
+# causal 2k 445 -> 447, 8k 525 -> 544, non-causal 543 -> 544, 598 -> 602. Either one alone moved
+# nothing beyond the noise (381 -> 383 / 386 at d = 64 causal 2k): the split adds waits, and a
+# sleeping wait wakes late. Narrow kernel only (the wide one was not measured).
+SM90_BWD_SPLIT_LOADS = True
+SM90_BWD_SPIN_WAITS = True
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -237,7 +239,8 @@ class BwdSm90Config(jit.KernelConfig):
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
-                    split_loads=SM90_BWD_SPLIT_LOADS and narrow, spin_waits=SM90_BWD_SPIN_WAITS)
+                    split_loads=SM90_BWD_SPLIT_LOADS and narrow,
+                    spin_waits=SM90_BWD_SPIN_WAITS and narrow)
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
