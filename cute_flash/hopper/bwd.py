@@ -3,7 +3,8 @@
 
 One CTA owns ``tile_n`` keys of one (batch, head) and walks the query blocks that see them
 (``tile_m`` rows each). Warpgroup 0 produces: one warp TMA-loads K and V once, then Q and dO of
-each query block into a ``stages``-deep pipeline (one mbarrier per stage for both). The two
+each query block into a ``stages``-deep pipeline (one mbarrier per stage for both, or with
+``split_loads`` K, V, Q + LSE2 and dO + D each on their own). The two
 consumer warpgroups own 64 keys each and run, per query block, the five GEMMs of the backward with
 the key axis on wgmma's M (the "swapped" S^T form, so dK and dV accumulate in registers and P^T,
 dS^T feed their GEMMs straight from registers):
@@ -233,9 +234,10 @@ class FlashBwdSm90:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
         # ``split_loads``: the first S^T needs only K, Q and LSE2 (33 KB at d = 64 instead of 65 KB
-        # with V, dO and D): at 2k keys a CTA runs ~8 query blocks, so the start of every CTA --
-        # one per SM, nothing else to overlap it -- shows in the total. The K/V pipeline then has
-        # two single-use stages (K, V) and dO + D get their own pipeline beside Q + LSE2.
+        # with V, dO and D), and each block's S^T waits for Q + LSE2 alone. The K/V pipeline then
+        # has two single-use stages (K, V) and dO + D get their own pipeline beside Q + LSE2.
+        # Measured: +4-6% at d = 64 together with polling waits (``spin_waits``), nothing without
+        # them -- with twice the waits, a sleeping wait's late wake-up costs more.
         split = self.split_loads
         pipe_kv = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=2 if split else 1, producer_group=producer,
