@@ -143,8 +143,9 @@ def test_quantize_qkv_matches_the_reference_within_one_e4m3_step(d: int, hkv: in
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (e4m3 converts)")
-@pytest.mark.parametrize("d,lanes,varlen", [(64, 16, False), (128, 8, False), (128, 4, False),
-                                            (256, 16, False), (128, 8, True), (256, 8, True)])
+@pytest.mark.parametrize("d,lanes,varlen", [(64, 16, False), (64, 8, False), (64, 8, True), (128, 8, False),
+                                            (128, 4, False), (256, 16, False), (128, 8, True),
+                                            (256, 8, True)])
 def test_several_rows_per_warp_quantize_q_and_k_bit_for_bit_as_one_row_per_warp(d: int, lanes: int,
                                                                                 varlen: bool,
                                                                                 monkeypatch) -> None:
