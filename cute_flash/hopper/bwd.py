@@ -321,18 +321,32 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
+    def kv_tma_tiles(self, mK, mV, tma_K, tma_V, smem, seqlen: SeqlenInfo, work) -> tuple:
+        """(sK, gK, sV, gV) TMA partitions of this CTA's K / V block."""
+        one = cute.make_layout(1)
+        out = ()
+        for mT, tma, sT, width in ((mK, tma_K, smem.sK, self.hdim), (mV, tma_V, smem.sV, self.hdim_v)):
+            gT = cute.local_tile(seqlen.k_rows(mT, work.head_kv, work.batch), (self.tile_n, width),
+                                 (work.n_block, 0))
+            out += tuple(cpasync.tma_partition(tma, 0, one, cute.group_modes(sT, 0, 2),
+                                               cute.group_modes(gT, 0, 2)))
+        return out
+
+    def qdo_tma_tiles(self, mQ, mdO, tma_Q, tma_dO, smem, seqlen: SeqlenInfo, work, head) -> tuple:
+        """(sQ, gQ, sdO, gdO) TMA partitions of query head ``head``: smem by stage, global by query
+        block."""
+        one = cute.make_layout(1)
+        out = ()
+        for mT, tma, sT, width in ((mQ, tma_Q, smem.sQ, self.hdim), (mdO, tma_dO, smem.sdO, self.hdim_v)):
+            gT = cute.local_tile(seqlen.q_rows(mT, head, work.batch), (self.tile_m, width), (None, 0))
+            out += tuple(cpasync.tma_partition(tma, 0, one, cute.group_modes(sT, 0, 2),
+                                               cute.group_modes(gT, 0, 2)))
+        return out
+
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv, pipe_qdo,
              seqlen: SeqlenInfo, work):
-        one = cute.make_layout(1)
-        gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
-                             (work.n_block, 0))
-        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim_v),
-                             (work.n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK, tVsV, tVgV = self.kv_tma_tiles(mK, mV, tma_K, tma_V, smem, seqlen, work)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -352,15 +366,7 @@ class FlashBwdSm90:
         """``split_loads``: K, then per (query head, query block) in the consumers' order Q + LSE2
         and dO + D on their own barriers; the first block issues K, Q, V, dO in the order the
         GEMMs read them, and only its statistics wait for the preprocess (PDL)."""
-        one = cute.make_layout(1)
-        gK = cute.local_tile(seqlen.k_rows(mK, work.head_kv, work.batch), (self.tile_n, self.hdim),
-                             (work.n_block, 0))
-        gV = cute.local_tile(seqlen.k_rows(mV, work.head_kv, work.batch), (self.tile_n, self.hdim_v),
-                             (work.n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK, tVsV, tVgV = self.kv_tma_tiles(mK, mV, tma_K, tma_V, smem, seqlen, work)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         waits.acquire_empty(pipes.kv, kv_state, self.spin_waits)
         cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
@@ -378,15 +384,9 @@ class FlashBwdSm90:
         the first block's dO and statistics)."""
         # (Plain names: a ``Ctx`` cannot be carried through the run-time ``if`` below.)
         pipe_kv, pipe_q, pipe_do = pipes.kv, pipes.q, pipes.do
-        one = cute.make_layout(1)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         head, m_block = self.work_item(work, it)
-        gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim_v), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
+        tQsQ, tQgQ, tdOsdO, tdOgdO = self.qdo_tma_tiles(mQ, mdO, tma_Q, tma_dO, smem, seqlen, work, head)
         waits.acquire_empty(pipe_q, state, self.spin_waits)
         bar_q = pipe_q.producer_get_barrier(state)
         cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar_q)
@@ -443,13 +443,7 @@ class FlashBwdSm90:
         gLSE2 = bwd_math.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
         gD = bwd_math.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        one = cute.make_layout(1)
-        gQ = cute.local_tile(seqlen.q_rows(mQ, head, work.batch), (self.tile_m, self.hdim), (None, 0))
-        gdO = cute.local_tile(seqlen.q_rows(mdO, head, work.batch), (self.tile_m, self.hdim_v), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(smem.sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
+        tQsQ, tQgQ, tdOsdO, tdOgdO = self.qdo_tma_tiles(mQ, mdO, tma_Q, tma_dO, smem, seqlen, work, head)
         for m_block in cutlass.range(work.m_block_min, work.m_block_max, unroll=1):
             waits.acquire_empty(pipe_qdo, state, self.spin_waits)
             bar = pipe_qdo.producer_get_barrier(state)
