@@ -9,6 +9,7 @@ rows); the main kernel adds dQ into the accumulator in its MMA fragment order an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from cute_flash.bwd import (
     problem_extents,
 )
 from cute_flash.fwd import normalize_window
+from cute_flash.fwd_sm90 import sm_count
 
 # Scope of the main kernels (see their docstrings): head dims 64, 96, 128, 192 and 256 (= d_v) (GQA, causal,
 # windows, varlen and deterministic mode included); softcap below.
@@ -79,6 +81,10 @@ SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # sleeping wait wakes late. Narrow kernel only (the wide one was not measured).
 SM90_BWD_SPLIT_LOADS = True
 SM90_BWD_SPIN_WAITS = True
+# Session 10: not measured yet, off.
+SM90_BWD_DKV_DIRECT = False
+SM90_BWD_PERSISTENT = False
+SM90_NUM_SMS_DEFAULT = 132
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -158,6 +164,18 @@ class BwdSm90Config(jit.KernelConfig):
     # late wake-ups cost the forward ~20 us per tile on its persistent grid. None =
     # ``SM90_BWD_SPIN_WAITS``.
     spin_waits: bool | None = None
+    # Narrow kernel epilogue: dK / dV stored from the registers (4-byte stores, no smem, no barrier;
+    # ``hopper/bwd_epilogue.py``). None = ``SM90_BWD_DKV_DIRECT``; the persistent grid needs it to
+    # release K / V before the epilogue.
+    dkv_direct: bool | None = None
+    # Persistent grid (narrow kernel with split loads; not varlen or deterministic mode): ``num_ctas``
+    # CTAs (the SM count, set by the launcher; 132 for the compile checks) stride over the K/V
+    # tiles in the ``lpt`` section order. The producer loads the next tile's K / V as soon as the
+    # consumers' last GEMMs of a tile are done and its Q / dO as stages free, so a tile's loads,
+    # barrier set-up and CTA launch hide under the previous tile's epilogue and dQ hand-off -- the
+    # fixed cost per CTA measured at d = 64 (docs/notes.md). None = ``SM90_BWD_PERSISTENT``.
+    persistent: bool | None = None
+    num_ctas: int = 0
 
     kernel_name = "bwd_sm90"
 
@@ -213,6 +231,20 @@ class BwdSm90Config(jit.KernelConfig):
                                 or self.dkv_stmatrix or self.prefetch_stats or self.split_loads):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
                              "prefetch_stats / split_loads are narrow-kernel (d <= 128) switches")
+        fixed_grid = not (self.varlen or self.deterministic)
+        if self.persistent and not (narrow and self.split_loads and fixed_grid):
+            raise ValueError("sm90 backward: the persistent grid is for the narrow kernel (d <= 128) with "
+                             "split loads, without varlen or deterministic mode")
+        if self.persistent and not (self.dkv_direct or self.dkv_stmatrix):
+            # (The 2-byte smem stores' index math, carried across tiles, spills 224-440 bytes.)
+            raise ValueError("sm90 backward: the persistent grid takes the register or the stmatrix "
+                             "dK / dV epilogue")
+        if self.dkv_direct and not narrow:
+            raise ValueError("sm90 backward: dkv_direct is a narrow-kernel (d <= 128) epilogue")
+        if self.persistent and not self.num_ctas:
+            object.__setattr__(self, "num_ctas", SM90_NUM_SMS_DEFAULT)
+        if not self.persistent and self.num_ctas:
+            raise ValueError("sm90 backward: num_ctas sizes the persistent grid only")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
@@ -241,6 +273,10 @@ class BwdSm90Config(jit.KernelConfig):
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
                     split_loads=SM90_BWD_SPLIT_LOADS and narrow,
                     spin_waits=SM90_BWD_SPIN_WAITS and narrow)
+        persistent_ok = narrow and not (self.varlen or self.deterministic) and self.split_loads is not False
+        auto["persistent"] = SM90_BWD_PERSISTENT and persistent_ok
+        persistent = auto["persistent"] if self.persistent is None else self.persistent
+        auto["dkv_direct"] = narrow and (SM90_BWD_DKV_DIRECT or bool(persistent))
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -316,6 +352,8 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
                         local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
                         **(overrides or {}))
+    if cfg.persistent and "num_ctas" not in (overrides or {}):
+        cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)

@@ -2,7 +2,7 @@
 # One device call (developer tool): the FP8 tests alone, the other GPU tests in 8 shards, the
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
-#   scripts/device_bwd_check.sh [fp8tests] [tests] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
+#   scripts/device_bwd_check.sh [fp8tests] [tests] [bwdnew] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
 # (Session 8: the FP8 kernel's sum_mma measured and on at d = 128; the causal backward
 # candidates of part bwdtune measured and left off. Queued for session 9: Q / K quantize with
 # several rows per warp -- its GPU test is in part fp8tests, its timing in part fp8's quantize
@@ -42,10 +42,17 @@ for p in "${parts[@]}"; do
       # costs a stage), one Q / dO stage with the writer.
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
-        --seqlen ${BWD_TUNE_SEQLENS:-4096 8192} --causal 1 --variant ${BWD_TUNE_VARIANTS:-lpt=0 dq_warp=0 stages=1 lpt=0,dq_warp=0} \
+        --seqlen ${BWD_TUNE_SEQLENS:-4096 8192} --causal ${BWD_TUNE_CAUSAL:-1} --variant ${BWD_TUNE_VARIANTS:-lpt=0 dq_warp=0 stages=1 lpt=0,dq_warp=0} \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;
+    bwdnew)
+      # The GPU tests of the backward's newest switches alone (BWD_NEW_TESTS: a pytest -k filter).
+      timeout "${BWD_NEW_TIMEOUT:-200}" scripts/gpu_tests_sharded.sh 8 /tmp/newshards tests/test_compile_sm90_bwd.py \
+        -k "${BWD_NEW_TESTS:-persistent or direct}" > "$OUT/bwd_new.log" 2>&1
+      echo "== bwdnew rc=$?"
+      cat /tmp/newshards/shard_*.log >> "$OUT/bwd_new.log" 2>/dev/null
+      grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/bwd_new.log" | cut -c1-300 | head -20 ;;
     fp8tune)
       # Issue 5, d = 128 (bar 950). Session 8 put P's row sums on the tensor cores with every
       # exponential on the MUFU (the new default). Around it: the old schedule, 224 keys, three

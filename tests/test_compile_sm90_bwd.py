@@ -87,6 +87,19 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
                           (64, True, False, dict(split_loads=True)), (256, True, False, {}))
+] + [
+    # dK / dV stored from the registers, on one CTA per tile and on the persistent grid.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=mode == "causal", local=mode == "local",
+                  softcap=sc, dkv_direct=True, persistent=p)
+    for d, mode, sc, p in ((64, "causal", False, False), (128, "plain", False, False),
+                           (64, "causal", False, True), (64, "plain", False, True),
+                           (128, "causal", False, True), (128, "local", False, True),
+                           (96, "causal", False, True), (128, "causal", True, True))
+] + [
+    # The persistent grid with the stmatrix smem epilogue (K / V released after it).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_direct=False,
+                  dkv_stmatrix=True)
+    for d in (64, 128)
 ]
 
 
@@ -97,7 +110,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_direct", "persistent")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -198,6 +211,26 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     for kw in (dict(hdim=96), dict(hdim=192), dict(hdim=128, tile_m=80)):
         with pytest.raises(ValueError):
             BwdSm90Config(target="sm_90a", post_stage_smem=True, **kw)
+
+
+def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
+    """The persistent grid strides over a fixed tile count with split loads in the narrow kernel:
+    varlen (tiles per batch known on the device), deterministic mode (its semaphore order needs
+    CTAs in blockIdx order), the wide kernel and unsplit loads are refused; num_ctas without it
+    too, and the 2-byte smem epilogue (it spills there). Asked for, it brings the register
+    epilogue (K / V released before it) and a grid size."""
+    for kw in (dict(varlen=True), dict(deterministic=True), dict(hdim=256), dict(split_loads=False),
+               dict(dkv_direct=False, dkv_stmatrix=False)):
+        with pytest.raises(ValueError):
+            BwdSm90Config(target="sm_90a", persistent=True, **kw)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", num_ctas=8)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=256, dkv_direct=True)
+    cfg = BwdSm90Config(target="sm_90a", hdim=64, causal=True, persistent=True)
+    assert cfg.dkv_direct and cfg.num_ctas == 132
+    assert not BwdSm90Config(target="sm_90a", hdim=64, persistent=True, dkv_direct=False,
+                             dkv_stmatrix=True).dkv_direct
 
 
 def _hopper() -> bool:
@@ -309,6 +342,30 @@ def test_sm90_bwd_split_loads_keep_gradients_within_twice_pytorch_error(case: tu
     if deterministic and case not in (GPU_CASES[1], GPU_CASES[5], GPU_CASES[6]):
         pytest.skip("deterministic mode: three cases")
     _check_gradients(case, overrides=dict(split_loads=True), deterministic=deterministic)
+
+
+# Key blocks that no query sees (a window far from the start): a tile with no query block, which
+# on the persistent grid must still move the K/V pipeline by one phase.
+UNSEEN_KEYS_CASE = (1, 128, 1024, 2, 2, False, (32, 0), 0.0, 64)
+NARROW_CASES = [c for c in GPU_CASES if c[-1] in (64, 96, 128)] + [UNSEEN_KEYS_CASE]
+PERSISTENT_SWITCHES = {
+    "persistent-3-ctas": dict(persistent=True, num_ctas=3), "persistent": dict(persistent=True),
+    "persistent-smem-epilogue": dict(persistent=True, num_ctas=5, dkv_direct=False, dkv_stmatrix=True),
+    "direct-epilogue": dict(dkv_direct=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("name", list(PERSISTENT_SWITCHES))
+@pytest.mark.parametrize("case", NARROW_CASES)
+def test_sm90_bwd_persistent_grid_and_register_epilogue_keep_gradients(case: tuple, name: str) -> None:
+    """The persistent grid (3 / 5 CTAs: every CTA walks several tiles, the pipelines' states and
+    the dQ writer's hand-off carried across them; the SM count) and the register dK / dV epilogue
+    (rows past the last key dropped): every narrow case under the same 2x rule."""
+    switches = PERSISTENT_SWITCHES[name]
+    if switches.get("num_ctas") == 5 and case[-1] != 128:
+        pytest.skip("smem epilogue: d = 128 cases")
+    _check_gradients(case, overrides=switches)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
+from cute_flash.hopper.bwd_epilogue import BwdEpilogue
 from cute_flash.hopper.fwd import acc_to_frgA_sm90, wg_gemm
 from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.block_info import BlockInfo
@@ -43,6 +44,7 @@ from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import score_scales
+from cute_flash.kernels.tile_scheduler import section_order
 
 # Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
 # by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
@@ -90,7 +92,9 @@ def dq_acc_shape(tile_m: int, hdim: int) -> tuple:
     return (hdim, tile_m) if dq_swapab(tile_m) else (tile_m, hdim)
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(BwdEpilogue):
+    epilogue_barrier = BAR_DS_EMPTY
+
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
@@ -205,6 +209,8 @@ class FlashBwdSm90:
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
         num_batch, seqlen_k = common.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
+        if cutlass.const_expr(self.cfg.persistent):
+            grid = (cutlass.min(grid[0] * grid[1] * grid[2], self.cfg.num_ctas), 1, 1)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
@@ -259,18 +265,59 @@ class FlashBwdSm90:
                              for name, layout in self.smem_layouts().items()},
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
-        n_block, head_kv, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.lpt):
-            rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
-            n_block, head_kv = self.longest_first(n_block, head_kv, rows)
-        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        args = common.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+                          mSemaphore=mSemaphore, window_left=window_left, window_right=window_right)
+        loads = common.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
+                           tma_V=tma_V, tma_dO=tma_dO)
+        if cutlass.const_expr(self.cfg.persistent):
+            self.persistent_roles(args, loads, mdQaccum, mdK, mdV, smem, pipes, scales, warp_idx)
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            if cutlass.const_expr(self.lpt):
+                rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
+                n_block, head_kv = self.longest_first(n_block, head_kv, rows)
+            seqlen, work = self.make_work(args, n_block, head_kv, batch)
+            # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
+            # once (the condition is uniform over the CTA).
+            if work.n_block >= 0 and work.n_block * self.tile_n < seqlen.seqlen_k:
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(24)
+                    if warp_idx == 0:
+                        if cutlass.const_expr(split):
+                            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+                            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                 self.num_stages)
+                            self.load_split(loads, smem, pipes, seqlen, work, kv_state, state)
+                        else:
+                            self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
+                                      pipe_qdo, seqlen, work)
+                    if cutlass.const_expr(self.dq_warp):
+                        if warp_idx == 1:
+                            self.wait_for_preprocess()
+                            self.dq_writer(mdQaccum, smem, seqlen, work)
+                else:
+                    cute.arch.setmaxregister_increase(240)
+                    # (Deterministic mode's semaphores and the consumers' own dQ reductions.)
+                    self.wait_for_preprocess()
+                    ctx = self.consumer_setup(mLSE2, mD, mdQaccum, smem, scales, args)
+                    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                            2 if self.split_loads else 1)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                    self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state)
+
+    @cute.jit
+    def make_work(self, args, n_block: Int32, head_kv: Int32, batch: Int32):
+        """(SeqlenInfo, work) of the K/V tile (n_block, head_kv, batch): the query blocks that see it
+        and deterministic mode's ordering."""
+        mQ, mK = args.mQ, args.mK
+        seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], args.mCuSeqlensQ, args.mCuSeqlensK)
         if cutlass.const_expr(self.deterministic and self.det_descending):
             # Descending dQ order: CTA n waits for CTA n + 1, so the last key block must launch
             # first (CTAs start in blockIdx order; a waiter whose predecessor is not resident
             # yet could otherwise fill every SM and never let it in).
             n_block = cute.ceil_div(seqlen.seqlen_k, self.tile_n) - 1 - n_block
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, window_left,
-                               window_right)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, args.window_left,
+                               args.window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
         m_block_min = cutlass.min(m_block_min, m_block_max)
         # Deterministic mode: K/V blocks add into each query block in a fixed order, ascending n
@@ -294,29 +341,75 @@ class FlashBwdSm90:
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                           prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
-                          mSemaphore=mSemaphore)
-        # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
-        # once (the condition is uniform over the CTA).
-        if n_block >= 0 and n_block * self.tile_n < seqlen.seqlen_k:
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(24)
-                if warp_idx == 0:
-                    if cutlass.const_expr(split):
-                        self.load_split(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipes,
-                                        seqlen, work)
-                    else:
-                        self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
-                                  pipe_qdo, seqlen, work)
-                if cutlass.const_expr(self.dq_warp):
-                    if warp_idx == 1:
-                        self.wait_for_preprocess()
-                        self.dq_writer(mdQaccum, smem, seqlen, work)
-            else:
-                cute.arch.setmaxregister_increase(240)
-                # (Deterministic mode's semaphores and the consumers' own dQ reductions.)
-                self.wait_for_preprocess()
-                self.consumer(mLSE2, mD, mdQaccum, mdK, mdV, smem, pipes, seqlen, work, scales,
-                              window_left, window_right)
+                          mSemaphore=args.mSemaphore)
+        return seqlen, work
+
+    # ------------------------------------------------------------------------------------------
+    # Persistent grid
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def persistent_roles(self, args, loads, mdQaccum, mdK, mdV, smem, pipes, scales, warp_idx):
+        """``persistent``: every role walks this CTA's tiles (tile t = blockIdx.x + i * gridDim.x of
+        ``tile_of``'s order) with its pipeline states carried from tile to tile, so the producer
+        runs ahead into the next tile while the consumers finish the last one."""
+        bidx, _, _ = cute.arch.block_idx()
+        num_tiles = self.num_kv_tiles(args)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(24)
+            if warp_idx == 0:
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
+                    kv_state, state = self.load_tile(args, loads, smem, pipes, tile, kv_state, state)
+            if cutlass.const_expr(self.dq_warp):
+                if warp_idx == 1:
+                    self.wait_for_preprocess()
+                    for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
+                        self.dq_writer_tile(args, mdQaccum, smem, tile)
+        else:
+            cute.arch.setmaxregister_increase(240)
+            self.wait_for_preprocess()
+            ctx = self.consumer_setup(loads.mLSE2, loads.mD, mdQaccum, smem, scales, args)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
+                kv_state, state = self.consumer_persistent_tile(args, ctx, mdK, mdV, pipes, scales, tile,
+                                                                kv_state, state)
+
+    def num_kv_tiles(self, args):
+        mK = args.mK
+        return cute.ceil_div(mK.shape[0], self.tile_n) * mK.shape[2] * mK.shape[3]
+
+    @cute.jit
+    def tile_of(self, args, tile: Int32):
+        """(n_block, head_kv, batch) of linear tile ``tile``: sections of K/V heads whose queries'
+        Q, dO and dQ accumulator fit in L2 together, within a section every head's first key block,
+        then every head's second, ... (causal: longest first, as ``longest_first``)."""
+        mQ, mK = args.mQ, args.mK
+        num_n = cute.ceil_div(mK.shape[0], self.tile_n)
+        num_head = mK.shape[2]
+        num_hb = num_head * mK.shape[3]
+        rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
+        group = cutlass.max(cutlass.min(Int32(LPT_L2_BYTES // (self.hdim * 8)) // rows, num_hb), 1)
+        return section_order(tile, num_n, num_head, num_hb, group)
+
+    @cute.jit
+    def load_tile(self, args, loads, smem, pipes, tile: Int32, kv_state, state):
+        n_block, head_kv, batch = self.tile_of(args, tile)
+        seqlen, work = self.make_work(args, n_block, head_kv, batch)
+        return self.load_split(loads, smem, pipes, seqlen, work, kv_state, state)
+
+    @cute.jit
+    def dq_writer_tile(self, args, mdQaccum, smem, tile: Int32):
+        n_block, head_kv, batch = self.tile_of(args, tile)
+        seqlen, work = self.make_work(args, n_block, head_kv, batch)
+        self.dq_writer(mdQaccum, smem, seqlen, work)
+
+    @cute.jit
+    def consumer_persistent_tile(self, args, ctx, mdK, mdV, pipes, scales, tile: Int32, kv_state, state):
+        n_block, head_kv, batch = self.tile_of(args, tile)
+        seqlen, work = self.make_work(args, n_block, head_kv, batch)
+        return self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state)
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
@@ -361,21 +454,30 @@ class FlashBwdSm90:
                                    work.head_kv * work.group + g, state)
 
     @cute.jit
-    def load_split(self, mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipes,
-                   seqlen: SeqlenInfo, work):
+    def load_split(self, loads, smem, pipes, seqlen: SeqlenInfo, work, kv_state, state):
         """``split_loads``: K, then per (query head, query block) in the consumers' order Q + LSE2
         and dO + D on their own barriers; the first block issues K, Q, V, dO in the order the
-        GEMMs read them, and only its statistics wait for the preprocess (PDL)."""
-        tKsK, tKgK, tVsV, tVgV = self.kv_tma_tiles(mK, mV, tma_K, tma_V, smem, seqlen, work)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        GEMMs read them, and only its statistics wait for the preprocess (PDL). Returns the
+        pipeline states after this tile (the persistent grid carries them on)."""
+        L = loads
+        tKsK, tKgK, tVsV, tVgV = self.kv_tma_tiles(L.mK, L.mV, L.tma_K, L.tma_V, smem, seqlen, work)
         waits.acquire_empty(pipes.kv, kv_state, self.spin_waits)
-        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+        cute.copy(L.tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
         kv_state.advance()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for it in cutlass.range(self.num_work_items(work), unroll=1):
+        total = self.num_work_items(work)
+        for it in cutlass.range(total, unroll=1):
             # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
-            state = self.load_block(mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes, seqlen,
-                                    work, it, state, kv_state)
+            state = self.load_block(L.mQ, L.mdO, L.mLSE2, L.mD, L.tma_Q, L.tma_V, L.tma_dO, tVgV, tVsV, smem,
+                                    pipes, seqlen, work, it, state, kv_state)
+        if cutlass.const_expr(self.cfg.persistent):
+            # A tile no query block sees still fills V's stage, so that every tile moves the K/V
+            # pipeline by one phase on both sides.
+            pipe_kv, tma_V = pipes.kv, L.tma_V  # (plain names: a ``Ctx`` cannot cross a run-time ``if``)
+            if total == 0:
+                waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
+                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        kv_state.advance()
+        return kv_state, state
 
     @cute.jit
     def load_block(self, mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes,
@@ -461,33 +563,56 @@ class FlashBwdSm90:
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, mLSE2, mD, mdQaccum, mdK, mdV, smem, pipes, seqlen: SeqlenInfo, work,
-                 scales, window_left, window_right):
-        softmax_scale, score_scale, scale_log2 = scales
+    def consumer_setup(self, mLSE2, mD, mdQaccum, smem, scales, args):
+        """The consumer context that does not depend on the tile: MMA partitions, accumulators,
+        scales."""
+        _, score_scale, scale_log2 = scales
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         ctx = self.consumer_ctx(smem, tidx)
         ctx.smem = smem
-        ctx.tidx, ctx.seqlen, ctx.batch = tidx, seqlen, work.batch
-        ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
+        ctx.tidx = tidx
         ctx.score_scale, ctx.scale_log2 = score_scale, scale_log2
-        ctx.window_left, ctx.window_right = window_left, window_right
-        ctx.mLSE2, ctx.mD, ctx.mdQaccum, ctx.mSemaphore = mLSE2, mD, mdQaccum, work.mSemaphore
+        ctx.window_left, ctx.window_right = args.window_left, args.window_right
+        ctx.mLSE2, ctx.mD, ctx.mdQaccum = mLSE2, mD, mdQaccum
+        return ctx
+
+    @cute.jit
+    def consumer_tile(self, ctx, mdK, mdV, pipes, seqlen: SeqlenInfo, work, scales, kv_state, state):
+        """One K/V tile: every (query head, query block) that sees it, then the dK / dV epilogue.
+        Returns the pipeline states after it. On the persistent grid K and V go back to the
+        producer as soon as the last block's GEMMs are done (``dkv_direct``: the epilogue does not
+        use their smem), so the next tile's loads run under the epilogue."""
+        ctx.seqlen, ctx.batch = seqlen, work.batch
+        ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
+        ctx.mSemaphore = work.mSemaphore
         ctx.prev_min, ctx.prev_max = work.prev_min, work.prev_max
         ctx.prev_valid, ctx.order_rank = work.prev_valid, work.order_rank
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                2 if self.split_loads else 1)
         waits.wait_full(pipes.kv, kv_state, self.spin_waits)
+        k_state = kv_state.clone()
         if cutlass.const_expr(self.split_loads):
             kv_state.advance()  # V's stage: waited for before each dP^T (at once after the first)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        for it in cutlass.range(self.num_work_items(work), unroll=1):
+        total = self.num_work_items(work)
+        for it in cutlass.range(total, unroll=1):
             head, m_block = self.work_item(work, it)
             self.one_m_block(ctx, pipes, state, head, m_block, kv_state)
             state.advance()
-        self.epilogue(ctx, mdK, mdV, softmax_scale)
+        persistent = self.cfg.persistent
+        if cutlass.const_expr(persistent):
+            pipe_kv = pipes.kv
+            if total == 0:
+                waits.wait_full(pipe_kv, kv_state, self.spin_waits)  # (see ``load_split``)
+            if cutlass.const_expr(self.cfg.dkv_direct):
+                pipes.kv.consumer_release(k_state)
+                pipes.kv.consumer_release(kv_state)
+        self.epilogue(ctx, mdK, mdV, scales[0])
+        if cutlass.const_expr(persistent and not self.cfg.dkv_direct):
+            pipes.kv.consumer_release(k_state)
+            pipes.kv.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state, state
 
     @staticmethod
     def num_work_items(work) -> Int32:
@@ -819,62 +944,6 @@ class FlashBwdSm90:
             bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(self.deterministic):
             bwd_math.semaphore_signal(sem, ctx.order_rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
-
-    @cute.jit
-    def epilogue(self, ctx, mdK, mdV, softmax_scale):
-        """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
-        free now) -> 16-byte row stores of the rows of this K/V block that exist."""
-        if cutlass.const_expr(self.cfg.dkv_stmatrix):
-            self.store_dkv_stmatrix(ctx, mdK, mdV, softmax_scale)
-        else:
-            coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
-            self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
-                           transposed=False)
-
-    @cute.jit
-    def store_dkv_stmatrix(self, ctx, mdK, mdV, softmax_scale):
-        """``dkv_stmatrix``: dK / dV leave their accumulators through stmatrix (8x8 tiles, as the
-        forward's O) instead of one 2-byte store per element (128 per thread at d = 128), then the
-        same 16-byte row stores."""
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
-        for sT, acc, scale in ((ctx.smem.sK, ctx.acc_dK, softmax_scale),
-                               (ctx.smem.sV, ctx.acc_dV, Float32(1.0))):
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r[i] = (acc[i] * scale).to(self.dtype)
-            cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, sT, width in ((mdK, ctx.smem.sK, self.hdim), (mdV, ctx.smem.sV, self.hdim_v)):
-            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                 (ctx.n_block, 0))
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
-
-    @cute.jit
-    def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords_k, coords_v,
-                  transposed: cutlass.Constexpr[bool]):
-        """Write the dK / dV accumulators (element i at ``coords_*[i]``: (key, col), or (col, key)
-        when ``transposed``) into sK / sV, then store whole rows."""
-        # Every consumer warpgroup is done with K and V (its last GEMMs were waited for).
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        for sT, acc, scale, coords in ((sK, ctx.acc_dK, softmax_scale, coords_k),
-                                       (sV, ctx.acc_dV, Float32(1.0), coords_v)):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                a, b = coords[i]
-                if cutlass.const_expr(transposed):
-                    sT[b, a] = (acc[i] * scale).to(self.dtype)
-                else:
-                    sT[a, b] = (acc[i] * scale).to(self.dtype)
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, sT, width in ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)):
-            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                 (ctx.n_block, 0))
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
 
 
 class FlashBwdPostSm90:
