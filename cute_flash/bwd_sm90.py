@@ -82,7 +82,7 @@ SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 SM90_BWD_SPLIT_LOADS = True
 SM90_BWD_SPIN_WAITS = True
 # Session 10: not measured yet, off.
-SM90_BWD_DKV_DIRECT = False
+SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
 SM90_NUM_SMS_DEFAULT = 132
 
@@ -164,10 +164,10 @@ class BwdSm90Config(jit.KernelConfig):
     # late wake-ups cost the forward ~20 us per tile on its persistent grid. None =
     # ``SM90_BWD_SPIN_WAITS``.
     spin_waits: bool | None = None
-    # Narrow kernel epilogue: dK / dV stored from the registers (4-byte stores, no smem, no barrier;
-    # ``hopper/bwd_epilogue.py``). None = ``SM90_BWD_DKV_DIRECT``; the persistent grid needs it to
-    # release K / V before the epilogue.
-    dkv_direct: bool | None = None
+    # Narrow kernel epilogue: dK / dV staged by stmatrix in the dS buffers instead of K's and V's
+    # (``hopper/bwd_epilogue.py``), so K / V can be released before it. None = on with the
+    # persistent grid, else ``SM90_BWD_DKV_VIA_DS``.
+    dkv_via_ds: bool | None = None
     # Persistent grid (narrow kernel with split loads; not varlen or deterministic mode): ``num_ctas``
     # CTAs (the SM count, set by the launcher; 132 for the compile checks) stride over the K/V
     # tiles in the ``lpt`` section order. The producer loads the next tile's K / V as soon as the
@@ -232,15 +232,16 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
                              "prefetch_stats / split_loads are narrow-kernel (d <= 128) switches")
         fixed_grid = not (self.varlen or self.deterministic)
-        if self.persistent and not (narrow and self.split_loads and fixed_grid):
+        # (Softcap's 1 - tanh^2 registers, carried across the tile loop, spill at d = 128.)
+        if self.persistent and not (narrow and self.split_loads and fixed_grid and not self.softcap):
             raise ValueError("sm90 backward: the persistent grid is for the narrow kernel (d <= 128) with "
-                             "split loads, without varlen or deterministic mode")
-        if self.persistent and not (self.dkv_direct or self.dkv_stmatrix):
+                             "split loads, without varlen, deterministic mode or softcap")
+        if self.persistent and not (self.dkv_via_ds or self.dkv_stmatrix):
             # (The 2-byte smem stores' index math, carried across tiles, spills 224-440 bytes.)
             raise ValueError("sm90 backward: the persistent grid takes the register or the stmatrix "
                              "dK / dV epilogue")
-        if self.dkv_direct and not narrow:
-            raise ValueError("sm90 backward: dkv_direct is a narrow-kernel (d <= 128) epilogue")
+        if self.dkv_via_ds and not narrow:
+            raise ValueError("sm90 backward: dkv_via_ds is a narrow-kernel (d <= 128) epilogue")
         if self.persistent and not self.num_ctas:
             object.__setattr__(self, "num_ctas", SM90_NUM_SMS_DEFAULT)
         if not self.persistent and self.num_ctas:
@@ -273,10 +274,11 @@ class BwdSm90Config(jit.KernelConfig):
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
                     split_loads=SM90_BWD_SPLIT_LOADS and narrow,
                     spin_waits=SM90_BWD_SPIN_WAITS and narrow)
-        persistent_ok = narrow and not (self.varlen or self.deterministic) and self.split_loads is not False
+        persistent_ok = (narrow and not (self.varlen or self.deterministic or self.softcap)
+                         and self.split_loads is not False)
         auto["persistent"] = SM90_BWD_PERSISTENT and persistent_ok
         persistent = auto["persistent"] if self.persistent is None else self.persistent
-        auto["dkv_direct"] = narrow and (SM90_BWD_DKV_DIRECT or bool(persistent))
+        auto["dkv_via_ds"] = narrow and (SM90_BWD_DKV_VIA_DS or bool(persistent))
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

@@ -88,16 +88,16 @@ VARIANTS = [
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
                           (64, True, False, dict(split_loads=True)), (256, True, False, {}))
 ] + [
-    # dK / dV stored from the registers, on one CTA per tile and on the persistent grid.
+    # dK / dV staged in the dS buffers, on one CTA per tile and on the persistent grid.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=mode == "causal", local=mode == "local",
-                  softcap=sc, dkv_direct=True, persistent=p)
+                  softcap=sc, dkv_via_ds=True, persistent=p)
     for d, mode, sc, p in ((64, "causal", False, False), (128, "plain", False, False),
                            (64, "causal", False, True), (64, "plain", False, True),
                            (128, "causal", False, True), (128, "local", False, True),
-                           (96, "causal", False, True), (128, "causal", True, True))
+                           (96, "causal", False, True), (128, "causal", True, False))
 ] + [
-    # The persistent grid with the stmatrix smem epilogue (K / V released after it).
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_direct=False,
+    # The persistent grid with the stmatrix epilogue through sK / sV (K / V released after it).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
     for d in (64, 128)
 ]
@@ -110,7 +110,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits", "dkv_direct", "persistent")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -216,21 +216,22 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
     """The persistent grid strides over a fixed tile count with split loads in the narrow kernel:
     varlen (tiles per batch known on the device), deterministic mode (its semaphore order needs
-    CTAs in blockIdx order), the wide kernel and unsplit loads are refused; num_ctas without it
-    too, and the 2-byte smem epilogue (it spills there). Asked for, it brings the register
-    epilogue (K / V released before it) and a grid size."""
+    CTAs in blockIdx order), softcap (spills), the wide kernel and unsplit loads are refused;
+    num_ctas without it too, and the 2-byte smem epilogue (it spills there). Asked for, it brings the epilogue
+    through the dS buffers (K / V released before it) and a grid size."""
     for kw in (dict(varlen=True), dict(deterministic=True), dict(hdim=256), dict(split_loads=False),
-               dict(dkv_direct=False, dkv_stmatrix=False)):
+               dict(hdim=128, softcap=True),
+               dict(dkv_via_ds=False, dkv_stmatrix=False)):
         with pytest.raises(ValueError):
             BwdSm90Config(target="sm_90a", persistent=True, **kw)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", num_ctas=8)
     with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=256, dkv_direct=True)
+        BwdSm90Config(target="sm_90a", hdim=256, dkv_via_ds=True)
     cfg = BwdSm90Config(target="sm_90a", hdim=64, causal=True, persistent=True)
-    assert cfg.dkv_direct and cfg.num_ctas == 132
-    assert not BwdSm90Config(target="sm_90a", hdim=64, persistent=True, dkv_direct=False,
-                             dkv_stmatrix=True).dkv_direct
+    assert cfg.dkv_via_ds and cfg.num_ctas == 132
+    assert not BwdSm90Config(target="sm_90a", hdim=64, persistent=True, dkv_via_ds=False,
+                             dkv_stmatrix=True).dkv_via_ds
 
 
 def _hopper() -> bool:
@@ -350,19 +351,21 @@ UNSEEN_KEYS_CASE = (1, 128, 1024, 2, 2, False, (32, 0), 0.0, 64)
 NARROW_CASES = [c for c in GPU_CASES if c[-1] in (64, 96, 128)] + [UNSEEN_KEYS_CASE]
 PERSISTENT_SWITCHES = {
     "persistent-3-ctas": dict(persistent=True, num_ctas=3), "persistent": dict(persistent=True),
-    "persistent-smem-epilogue": dict(persistent=True, num_ctas=5, dkv_direct=False, dkv_stmatrix=True),
-    "direct-epilogue": dict(dkv_direct=True)}
+    "persistent-smem-epilogue": dict(persistent=True, num_ctas=5, dkv_via_ds=False, dkv_stmatrix=True),
+    "ds-epilogue": dict(dkv_via_ds=True)}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("name", list(PERSISTENT_SWITCHES))
 @pytest.mark.parametrize("case", NARROW_CASES)
-def test_sm90_bwd_persistent_grid_and_register_epilogue_keep_gradients(case: tuple, name: str) -> None:
+def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tuple, name: str) -> None:
     """The persistent grid (3 / 5 CTAs: every CTA walks several tiles, the pipelines' states and
-    the dQ writer's hand-off carried across them; the SM count) and the register dK / dV epilogue
-    (rows past the last key dropped): every narrow case under the same 2x rule."""
+    the dQ writer's hand-off carried across them; the SM count) and the dK / dV epilogue staged in
+    the dS buffers (rows past the last key dropped): every narrow case under the same 2x rule."""
     switches = PERSISTENT_SWITCHES[name]
+    if case[7] and switches.get("persistent"):
+        pytest.skip("the persistent grid refuses softcap")
     if switches.get("num_ctas") == 5 and case[-1] != 128:
         pytest.skip("smem epilogue: d = 128 cases")
     _check_gradients(case, overrides=switches)

@@ -265,6 +265,13 @@ class FlashBwdSm90(BwdEpilogue):
                              for name, layout in self.smem_layouts().items()},
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
+        if cutlass.const_expr(self.cfg.dkv_via_ds):
+            # dK / dV staging tiles over the dS buffers (``dkv_stage_offsets``).
+            for name, width, off in zip(("sdK_stage", "sdV_stage"), (self.hdim, self.hdim_v),
+                                        self.dkv_stage_offsets(), strict=True):
+                layout = self._smem(self.tile_n, width, None)
+                ptr = cute.recast_ptr(storage.sdS.data_ptr() + off, layout.inner, dtype=self.dtype)
+                setattr(smem, name, cute.make_tensor(ptr, layout.outer))
         args = common.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
                           mSemaphore=mSemaphore, window_left=window_left, window_right=window_right)
         loads = common.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
@@ -581,7 +588,7 @@ class FlashBwdSm90(BwdEpilogue):
     def consumer_tile(self, ctx, mdK, mdV, pipes, seqlen: SeqlenInfo, work, scales, kv_state, state):
         """One K/V tile: every (query head, query block) that sees it, then the dK / dV epilogue.
         Returns the pipeline states after it. On the persistent grid K and V go back to the
-        producer as soon as the last block's GEMMs are done (``dkv_direct``: the epilogue does not
+        producer as soon as the last block's GEMMs are done (``dkv_via_ds``: the epilogue does not
         use their smem), so the next tile's loads run under the epilogue."""
         ctx.seqlen, ctx.batch = seqlen, work.batch
         ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
@@ -604,11 +611,11 @@ class FlashBwdSm90(BwdEpilogue):
             pipe_kv = pipes.kv
             if total == 0:
                 waits.wait_full(pipe_kv, kv_state, self.spin_waits)  # (see ``load_split``)
-            if cutlass.const_expr(self.cfg.dkv_direct):
+            if cutlass.const_expr(self.cfg.dkv_via_ds):
                 pipes.kv.consumer_release(k_state)
                 pipes.kv.consumer_release(kv_state)
         self.epilogue(ctx, mdK, mdV, scales[0])
-        if cutlass.const_expr(persistent and not self.cfg.dkv_direct):
+        if cutlass.const_expr(persistent and not self.cfg.dkv_via_ds):
             pipes.kv.consumer_release(k_state)
             pipes.kv.consumer_release(kv_state)
         kv_state.advance()

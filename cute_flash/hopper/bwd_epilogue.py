@@ -2,9 +2,11 @@
 accumulators leave the consumer warpgroups once per K/V block, scaled (dK) and converted to 16 bit.
 
 Three ways, by config: through K's and V's smem buffers with 2-byte stores (the default) or
-stmatrix (``dkv_stmatrix``), then 16-byte row stores; or (``dkv_direct``) straight from the
-registers with 4-byte stores, no smem and no barrier, so K and V may be released before it --
-what the persistent grid needs to load the next tile's K / V under the epilogue.
+stmatrix (``dkv_stmatrix``), or (``dkv_via_ds``) stmatrix into the dS buffers, so that K and V
+may be released before it -- what the persistent grid needs to load the next tile's K / V under
+the epilogue. Each then stores whole rows, 16 bytes per thread. (Measured and dropped: 4-byte
+stores straight from the accumulators, no smem at all -- 2-6% slower at d = 64, each warp store
+touching 8 rows.)
 """
 
 import cutlass
@@ -18,14 +20,14 @@ from cute_flash.ampere import common
 
 class BwdEpilogue:
     """Needs ``self.epilogue_barrier`` (a named barrier over the consumer threads), ``mma_dkv``,
-    ``dtype``, ``tile_n``, ``hdim``, ``hdim_v``, ``num_mma_threads`` and ``cfg``."""
+    ``sdS_layout``, ``dtype``, ``tile_n``, ``hdim``, ``hdim_v``, ``num_mma_threads`` and ``cfg``."""
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
         free now) -> 16-byte row stores of the rows of this K/V block that exist."""
-        if cutlass.const_expr(self.cfg.dkv_direct):
-            self.store_dkv_direct(ctx, mdK, mdV, softmax_scale)
+        if cutlass.const_expr(self.cfg.dkv_via_ds):
+            self.store_dkv_via_ds(ctx, mdK, mdV, softmax_scale)
         elif cutlass.const_expr(self.cfg.dkv_stmatrix):
             self.store_dkv_stmatrix(ctx, mdK, mdV, softmax_scale)
         else:
@@ -78,27 +80,41 @@ class BwdEpilogue:
                                  (ctx.n_block, 0))
             common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
 
+    def dkv_stage_offsets(self) -> tuple:
+        """``dkv_via_ds``: element offsets of the dK and dV staging tiles in the dS buffers -- side
+        by side where both fit (d = 64: 2 x 16 KiB in 64 KiB), else both at 0, one after the
+        other (d = 96 / 128: one tile fills the 32 KiB)."""
+        tile_k, tile_v = self.tile_n * self.hdim, self.tile_n * self.hdim_v
+        if tile_k + tile_v <= cute.cosize(self.sdS_layout):
+            return 0, tile_k
+        return 0, 0
+
     @cute.jit
-    def store_dkv_direct(self, ctx, mdK, mdV, softmax_scale):
-        """``dkv_direct``: each thread stores its accumulator pairs (two adjacent columns of one
-        row, 4 bytes) straight to global memory. The four threads of a row quad fill 16 contiguous
-        bytes, so the L2 merges the partial sectors before DRAM; nothing waits on smem, so the
-        epilogue costs the conversions and 2 x d / 8 stores per thread at d = 64 and no barrier."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        copy = cute.make_tiled_copy_C(atom, self.mma_dkv)
-        thr = copy.get_slice(ctx.tidx)
+    def store_dkv_via_ds(self, ctx, mdK, mdV, softmax_scale):
+        """``dkv_via_ds``: stmatrix into the dS buffers (free once both warpgroups' last dQ GEMMs
+        are done), then 16-byte row stores. sK / sV are not touched, so the persistent grid hands
+        K and V back before this and the next tile's loads run under it."""
+        bar, nthr = self.epilogue_barrier, self.num_mma_threads
+        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
+        parts = ((mdK, ctx.acc_dK, softmax_scale, self.hdim, ctx.smem.sdK_stage),
+                 (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v, ctx.smem.sdV_stage))
+        together = self.dkv_stage_offsets()[1] > 0
+        rounds = (parts,) if together else ((parts[0],), (parts[1],))
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, acc, scale, width in ((mdK, ctx.acc_dK, softmax_scale, self.hdim),
-                                      (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v)):
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r[i] = (acc[i] * scale).to(self.dtype)
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                 (ctx.n_block, 0))
-            tg = thr.partition_D(gT)
-            tr = thr.retile(r)
-            tc = thr.partition_D(cute.make_identity_tensor((self.tile_n, width)))
-            for m in cutlass.range_constexpr(cute.size(tr, mode=[1])):
-                for n in cutlass.range_constexpr(cute.size(tr, mode=[2])):
-                    if tc[0, m, n][0] < rows_left:
-                        cute.copy(copy, tr[None, m, n], tg[None, m, n])
+        for i, rnd in enumerate(rounds):
+            for _, acc, scale, _, sT in rnd:
+                r = cute.make_rmem_tensor_like(acc, self.dtype)
+                for j in cutlass.range_constexpr(cute.size(acc)):
+                    r[j] = (acc[j] * scale).to(self.dtype)
+                cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+            for mT, _, _, width, sT in rnd:
+                copy = common.r2g_tiled_copy(self.dtype, width, nthr)
+                gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
+                                     (ctx.n_block, 0))
+                common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
+            if cutlass.const_expr(i + 1 < len(rounds) or self.cfg.persistent):
+                # Every row is read before the next round (or the next tile's dS) overwrites it.
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
