@@ -161,6 +161,8 @@ class BwdPreConfig(jit.KernelConfig):
     # sm90 only (griddepcontrol): let a main kernel launched with PDL start its prologue while
     # this one still runs (``BwdSm90Config.pdl``).
     launch_dependents: bool = False
+    # Threads per CTA (each loads 16 bytes per copy; rows of threads must tile ``tile_m``).
+    threads: int = 128
 
     kernel_name = "bwd_pre_sm80"
 

@@ -85,6 +85,9 @@ SM90_BWD_SPIN_WAITS = True
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
 SM90_NUM_SMS_DEFAULT = 132
+# Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
+# (session 9 profile); 128 until measured.
+SM90_BWD_PRE_THREADS = 128
 
 
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
@@ -176,6 +179,9 @@ class BwdSm90Config(jit.KernelConfig):
     # fixed cost per CTA measured at d = 64 (docs/notes.md). None = ``SM90_BWD_PERSISTENT``.
     persistent: bool | None = None
     num_ctas: int = 0
+    # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
+    # tile the query block).
+    pre_threads: int = 0
 
     kernel_name = "bwd_sm90"
 
@@ -303,9 +309,14 @@ class BwdSm90Config(jit.KernelConfig):
         return FlashBwdSm90(self)
 
     def pre(self) -> BwdPreConfig:
+        # 16-byte loads, 8 threads per 64 columns (4 per 32): the thread rows must tile tile_m.
+        per_row = 8 if self.hdim_v % 64 == 0 else 4
+        threads = self.pre_threads or SM90_BWD_PRE_THREADS
+        if self.tile_m % (threads // per_row):
+            threads = 128
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
                             tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                            launch_dependents=self.pdl)
+                            launch_dependents=self.pdl, threads=threads)
 
     def post(self) -> BwdSm90PostConfig:
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,

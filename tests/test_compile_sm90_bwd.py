@@ -306,6 +306,7 @@ CANDIDATE_SWITCHES = {
     "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
     "post-stage-smem": dict(post_stage_smem=True), "spin-waits": dict(spin_waits=True),
     "spin-waits-split-loads": dict(spin_waits=True, split_loads=True),
+    "pre-256-threads": dict(pre_threads=256),
     "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 

@@ -26,10 +26,9 @@ from . import common
 
 
 class FlashBwdPreSm80:
-    num_threads = 128
-
     def __init__(self, cfg) -> None:
         self.cfg = cfg
+        self.num_threads = cfg.threads
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim, self.hdim_v, self.tile_m = cfg.hdim, cfg.hdim_v, cfg.tile_m
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
@@ -37,6 +36,7 @@ class FlashBwdPreSm80:
         # partial dot products are then combined with shuffles inside those lanes.
         self.threads_per_row = (64 if self.hdim_v % 64 == 0 else 32) // 8
         assert self.tile_m * self.hdim % (4 * self.num_threads) == 0
+        assert self.tile_m % (self.num_threads // self.threads_per_row) == 0
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
