@@ -139,6 +139,10 @@ class BwdSm90Config(jit.KernelConfig):
     # Grid walked longest CTA first within L2-sized head groups (``FlashBwdSm90.longest_first``;
     # None = on for causal without varlen or deterministic mode, whose order it would break).
     lpt: bool | None = None
+    # MiB of L2 one group of heads' Q / dO / dQ accumulator may take in that walk (0 = 40: every
+    # head's key block n of a group runs before any n + 1, so a group's rows must stay in L2
+    # for the ~5 waves it spans; smaller groups trade that for more group boundaries).
+    lpt_l2_mib: int = 0
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).

@@ -14,7 +14,8 @@ from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.tile_scheduler import section_order
 
-# L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take.
+# L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take
+# (``BwdSm90Config.lpt_l2_mib`` overrides it).
 LPT_L2_BYTES = 40 * 1024 * 1024
 
 
@@ -68,8 +69,11 @@ class BwdProducer:
         num_head = mK.shape[2]
         num_hb = num_head * mK.shape[3]
         rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
-        group = cutlass.max(cutlass.min(Int32(LPT_L2_BYTES // (self.hdim * 8)) // rows, num_hb), 1)
+        group = cutlass.max(cutlass.min(Int32(self.lpt_l2_bytes() // (self.hdim * 8)) // rows, num_hb), 1)
         return section_order(tile, num_n, num_head, num_hb, group)
+
+    def lpt_l2_bytes(self) -> int:
+        return self.cfg.lpt_l2_mib * 1024 * 1024 if self.cfg.lpt_l2_mib else LPT_L2_BYTES
 
     @cute.jit
     def load_tile(self, args, loads, smem, pipes, tile: Int32, kv_state, state):
@@ -206,7 +210,7 @@ class BwdProducer:
         num_n, num_h, _ = cute.arch.grid_dim()
         # Q + dO (16 bit) + dQ accumulator (fp32): hdim * 8 bytes per query row (divided first:
         # rows * bytes can pass 2^31 at long sequences).
-        rows_in_l2 = Int32(LPT_L2_BYTES // (self.hdim * 8))
+        rows_in_l2 = Int32(self.lpt_l2_bytes() // (self.hdim * 8))
         group = cutlass.max(cutlass.min(rows_in_l2 // q_rows_per_kv_head, num_h), 1)
         lin = x + num_n * y
         g = lin // (num_n * group)
