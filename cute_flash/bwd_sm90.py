@@ -238,9 +238,12 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
         if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix
-                                or self.dkv_stmatrix or self.prefetch_stats or self.split_loads):
+                                or self.dkv_stmatrix or self.prefetch_stats):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
-                             "prefetch_stats / split_loads are narrow-kernel (d <= 128) switches")
+                             "prefetch_stats are narrow-kernel (d <= 128) switches")
+        if self.split_loads and self.hdim_v != self.hdim:
+            # (K and V share one pipeline whose stages expect the same byte count.)
+            raise ValueError("sm90 backward: split_loads needs d_v = d")
         fixed_grid = not (self.varlen or self.deterministic)
         # (Softcap's 1 - tanh^2 registers, carried across the tile loop, spill at d = 128.)
         if self.persistent and not (narrow and self.split_loads and fixed_grid and not self.softcap):

@@ -81,7 +81,11 @@ VARIANTS = [
     for d, c, vl, det, kw in ((64, True, False, False, {}), (64, False, False, False, {}),
                               (128, True, False, False, {}), (128, False, True, False, {}),
                               (96, True, False, True, {}), (64, True, False, False, dict(dkv_stmatrix=True)),
-                              (128, True, False, False, dict(dq_before_dk=False, ds_stages=1)))
+                              (128, True, False, False, dict(dq_before_dk=False, ds_stages=1)),
+                              # the wide kernel (d = 192 / 256, d_v = d), with polling waits
+                              (256, True, False, False, dict(spin_waits=True)),
+                              (256, False, True, False, dict(spin_waits=True)),
+                              (192, True, False, True, dict(spin_waits=True)))
 ] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
@@ -335,12 +339,13 @@ def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (64, 96, 128)])
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (64, 96, 128, 192, 256)])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_bwd_split_loads_keep_gradients_within_twice_pytorch_error(case: tuple,
                                                                         deterministic: bool) -> None:
-    """K / V on a barrier each, Q + LSE2 and dO + D on their own pipelines: every narrow case
-    (GQA / MQA, windows, softcap, rows that see no key), also in deterministic mode."""
+    """K / V on a barrier each, Q + LSE2 and dO + D on their own pipelines: every case with
+    d_v = d, narrow and wide (GQA / MQA, windows, softcap, rows that see no key), also in
+    deterministic mode."""
     if deterministic and case not in (GPU_CASES[1], GPU_CASES[5], GPU_CASES[6]):
         pytest.skip("deterministic mode: three cases")
     _check_gradients(case, overrides=dict(split_loads=True), deterministic=deterministic)

@@ -93,6 +93,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         waits.wait_full(pipes.q, state, self.spin_waits)
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
+        if cutlass.const_expr(self.split_loads):
+            waits.wait_full(pipes.kv, v_state, self.spin_waits)
+            waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
         dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
         warpgroup.wait_group(0)
@@ -112,6 +115,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
         wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
         pipes.q.consumer_release(state)
+        if cutlass.const_expr(self.split_loads):
+            pipes.do.consumer_release(state)
         self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
