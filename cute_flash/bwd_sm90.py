@@ -81,6 +81,10 @@ SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # sleeping wait wakes late. Narrow kernel only (the wide one was not measured).
 SM90_BWD_SPLIT_LOADS = True
 SM90_BWD_SPIN_WAITS = True
+# Session 10, the wide kernel (one run, TFLOP/s, d = 256, default -> split loads + polling waits):
+# causal 2k 336 -> 348, 8k 400 -> 419; non-causal 2k 374 -> 395, 8k 411 -> 419 (split loads alone
+# within 1-2% of both together; polling alone 0-2.5%). d = 192 not measured yet: off there.
+SM90_BWD_WIDE_SPLIT_HDIMS = (256,)
 # Session 10: not measured yet, off.
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
@@ -160,9 +164,9 @@ class BwdSm90Config(jit.KernelConfig):
     # Postprocess: dQ through smem (stmatrix in, 16-byte row stores out) instead of 2- / 4-byte
     # stores from the fragment order (flash-attn-4 stages it too).
     post_stage_smem: bool | None = None
-    # Narrow kernel: K and V on a barrier each, Q + LSE2 and dO + D on two pipelines, so the first
-    # S^T of a CTA waits for K, Q and LSE2 alone (flash-attn-4's split) rather than all six loads.
-    # None = ``SM90_BWD_SPLIT_LOADS``.
+    # K and V on a barrier each, Q + LSE2 and dO + D on two pipelines, so the first S^T of a CTA
+    # waits for K, Q and LSE2 alone (flash-attn-4's split) rather than all six loads. d_v = d only.
+    # None = ``SM90_BWD_SPLIT_LOADS`` in the narrow kernel and at ``SM90_BWD_WIDE_SPLIT_HDIMS``.
     split_loads: bool | None = None
     # The dQ writer warp's last wait before the CTA exits: for its bulk reduce-adds' smem reads only
     # (flash-attn-4), not for the adds to complete.
@@ -280,13 +284,14 @@ class BwdSm90Config(jit.KernelConfig):
     def _resolve_switches(self, narrow: bool) -> None:
         # (The 80-row tile keeps its own measured schedule: none of these were timed with it.)
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
+        wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
         auto = dict(pdl=SM90_BWD_PDL,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
-                    split_loads=SM90_BWD_SPLIT_LOADS and narrow,
-                    spin_waits=SM90_BWD_SPIN_WAITS and narrow)
+                    split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),
+                    spin_waits=SM90_BWD_SPIN_WAITS and (narrow or wide_split))
         persistent_ok = (narrow and not (self.varlen or self.deterministic or self.softcap)
                          and self.split_loads is not False)
         auto["persistent"] = SM90_BWD_PERSISTENT and persistent_ok
