@@ -126,6 +126,9 @@ class BwdSm90Config(jit.KernelConfig):
     tile_n: int = 0
     # Q / dO pipeline depth (0 = 2, or 1 where the dQ writer warp's tile needs the smem: d = 256).
     stages: int = 0
+    # dO + D depth where it is below Q's (wide kernel with split loads; 0 = ``stages``):
+    # flash-attn-4's d = 192 tile keeps two Q stages, one dO stage and the dQ writer warp.
+    do_stages: int = 0
     # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
     # reduce-add from smem (None = ``SM90_BWD_DQ_WARP``; deterministic mode, and d = 192, let the
     # consumers issue vector reductions instead).
@@ -245,6 +248,10 @@ class BwdSm90Config(jit.KernelConfig):
                                 or self.dkv_stmatrix or self.prefetch_stats):
             raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
                              "prefetch_stats are narrow-kernel (d <= 128) switches")
+        if self.do_stages and self.do_stages != self.stages and not (
+                not narrow and self.split_loads and 1 <= self.do_stages < self.stages):
+            raise ValueError("sm90 backward: do_stages (fewer than stages) is for the wide kernel with "
+                             "split loads")
         if self.split_loads and self.hdim_v != self.hdim:
             # (K and V share one pipeline whose stages expect the same byte count.)
             raise ValueError("sm90 backward: split_loads needs d_v = d")
@@ -304,11 +311,12 @@ class BwdSm90Config(jit.KernelConfig):
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
         elem, d, dv, tm, tn = 2, self.hdim, self.hdim_v or self.hdim, self.tile_m, self.tile_n
-        tiles = [self.stages * tm * d * elem, self.stages * tm * dv * elem, tn * d * elem, tn * dv * elem]
+        do_stages = self.do_stages or self.stages
+        tiles = [self.stages * tm * d * elem, do_stages * tm * dv * elem, tn * d * elem, tn * dv * elem]
         # dS (narrow: per dS stage); the wide kernel also keeps P.
         tiles += [tm * tn * elem] * ((self.ds_stages or self.stages) if self.hdim <= 128 else 2)
         total = sum((t + 1023) // 1024 * 1024 for t in tiles)
-        total += 2 * self.stages * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
+        total += (self.stages + do_stages) * tm * 4 + 1024  # LSE2 / D rows, barriers and slack
         return total + (tm * d * 4 if self.dq_warp else 0)
 
     def build(self):

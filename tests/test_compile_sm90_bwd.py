@@ -85,7 +85,10 @@ VARIANTS = [
                               # the wide kernel (d = 192 / 256, d_v = d), with polling waits
                               (256, True, False, False, dict(spin_waits=True)),
                               (256, False, True, False, dict(spin_waits=True)),
-                              (192, True, False, True, dict(spin_waits=True)))
+                              (192, True, False, True, dict(spin_waits=True)),
+                              # two Q stages, one dO stage and the dQ writer (flash-attn-4's d = 192)
+                              (192, True, False, False, dict(stages=2, do_stages=1, dq_warp=True)),
+                              (192, False, True, False, dict(stages=2, do_stages=1, dq_warp=True)))
 ] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
@@ -232,6 +235,17 @@ def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
         BwdSm90Config(target="sm_90a", num_ctas=8)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=256, dkv_via_ds=True)
+
+
+def test_sm90_bwd_do_stages_only_below_q_stages_in_the_wide_kernel_with_split_loads() -> None:
+    """Fewer dO than Q stages: the wide kernel with split loads only (the dO pipeline then has its
+    own state); flash-attn-4's d = 192 tile (2 + 1 stages with the dQ writer) fits in smem."""
+    for kw in (dict(hdim=128, stages=2, do_stages=1), dict(hdim=192, stages=1, do_stages=2, dq_warp=False),
+               dict(hdim=192, stages=2, do_stages=1, split_loads=False)):
+        with pytest.raises(ValueError):
+            BwdSm90Config(target="sm_90a", **kw)
+    cfg = BwdSm90Config(target="sm_90a", hdim=192, stages=2, do_stages=1, dq_warp=True, split_loads=True)
+    assert cfg.smem_bytes() <= 227 * 1024
     cfg = BwdSm90Config(target="sm_90a", hdim=64, causal=True, persistent=True)
     assert cfg.dkv_via_ds and cfg.num_ctas == 132
     assert not BwdSm90Config(target="sm_90a", hdim=64, persistent=True, dkv_via_ds=False,
@@ -375,6 +389,15 @@ def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tu
     if switches.get("num_ctas") == 5 and case[-1] != 128:
         pytest.skip("smem epilogue: d = 128 cases")
     _check_gradients(case, overrides=switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] == 192])
+def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -> None:
+    """d = 192 with two Q stages, one dO stage (its own pipeline state) and the dQ writer warp."""
+    _check_gradients(case, overrides=dict(stages=2, do_stages=1, dq_warp=True, split_loads=True,
+                                          spin_waits=True))
 
 
 @pytest.mark.gpu

@@ -100,6 +100,10 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # V / dO / dV head dim (= hdim but in the wide kernel's (192, 128)).
         self.hdim_v = cfg.hdim_v
         self.tile_m, self.tile_n, self.num_stages = cfg.tile_m, cfg.tile_n, cfg.stages
+        # dO + D stages (``do_stages``, split loads in the wide kernel): fewer than Q's, the dO
+        # pipeline keeps its own state.
+        self.num_do_stages = cfg.do_stages or cfg.stages
+        self.separate_do = self.num_do_stages != self.num_stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.dq_warp = cfg.dq_warp
@@ -162,8 +166,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 "sdS": self.sdS_layout}
 
     def fp32_layouts(self) -> dict:
-        rows = cute.make_layout((self.tile_m, self.num_stages))
-        out = {"sLSE2": rows, "sDsum": rows}
+        out = {"sLSE2": cute.make_layout((self.tile_m, self.num_stages)),
+               "sDsum": cute.make_layout((self.tile_m, self.num_do_stages))}
         if cutlass.const_expr(self.dq_warp):
             out["sdQ"] = cute.make_layout(self.tile_m * self.hdim)  # fragment order (bwd_math)
         return out
@@ -172,7 +176,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 4 if self.split_loads else 2],
                   "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
         if self.split_loads:
-            fields["mbar_do"] = cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            fields["mbar_do"] = cute.struct.MemRange[cutlass.Int64, 2 * self.num_do_stages]
         for name, layout in self.smem_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
         for name, layout in self.fp32_layouts().items():
@@ -253,7 +257,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         pipe_do = None
         if cutlass.const_expr(split):
             pipe_do = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_do_stages,
                 producer_group=producer, consumer_group=consumers, tx_count=self.tx_do, defer_sync=True)
         pipes = common.Ctx(kv=pipe_kv, q=pipe_qdo, do=pipe_do)
         cute.arch.mbarrier_init_fence()
@@ -292,7 +296,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
                             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                                  self.num_stages)
-                            self.load_split(loads, smem, pipes, seqlen, work, kv_state, state)
+                            self.load_split(loads, smem, pipes, seqlen, work, kv_state, state,
+                                            self.new_do_state(pipeline.PipelineUserType.Producer))
                         else:
                             self.load(mQ, mK, mV, mdO, mLSE2, mD, tma_Q, tma_K, tma_V, tma_dO, smem, pipe_kv,
                                       pipe_qdo, seqlen, work)
@@ -308,7 +313,15 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                             2 if self.split_loads else 1)
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                    self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state)
+                    self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state,
+                                       self.new_do_state(pipeline.PipelineUserType.Consumer))
+
+    def new_do_state(self, user_type):
+        """The dO pipeline's own state where it has fewer stages than Q's, else None (the Q state
+        serves both)."""
+        if cutlass.const_expr(self.separate_do):
+            return pipeline.make_pipeline_state(user_type, self.num_do_stages)
+        return None
 
     @cute.jit
     def make_work(self, args, n_block: Int32, head_kv: Int32, batch: Int32):
@@ -368,7 +381,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         return ctx
 
     @cute.jit
-    def consumer_tile(self, ctx, mdK, mdV, pipes, seqlen: SeqlenInfo, work, scales, kv_state, state):
+    def consumer_tile(self, ctx, mdK, mdV, pipes, seqlen: SeqlenInfo, work, scales, kv_state, state,
+                      do_state=None):
         """One K/V tile: every (query head, query block) that sees it, then the dK / dV epilogue.
         Returns the pipeline states after it. On the persistent grid K and V go back to the
         producer as soon as the last block's GEMMs are done (``dkv_via_ds``: the epilogue does not
@@ -387,8 +401,10 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         total = self.num_work_items(work)
         for it in cutlass.range(total, unroll=1):
             head, m_block = self.work_item(work, it)
-            self.one_m_block(ctx, pipes, state, head, m_block, kv_state)
+            self.one_m_block(ctx, pipes, state, head, m_block, kv_state, do_state)
             state.advance()
+            if cutlass.const_expr(self.separate_do):
+                do_state.advance()
         persistent = self.cfg.persistent
         if cutlass.const_expr(persistent):
             pipe_kv = pipes.kv
@@ -476,7 +492,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         return dict(st_dS=tiled, thr_st_dS=thr, tRSsdSt=thr.partition_D(transpose_smem(smem.sdS)))
 
     @cute.jit
-    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
+    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state, do_state=None):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         waits.wait_full(pipes.q, state, self.spin_waits)

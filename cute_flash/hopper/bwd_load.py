@@ -136,7 +136,7 @@ class BwdProducer:
                                    work.head_kv * work.group + g, state)
 
     @cute.jit
-    def load_split(self, loads, smem, pipes, seqlen: SeqlenInfo, work, kv_state, state):
+    def load_split(self, loads, smem, pipes, seqlen: SeqlenInfo, work, kv_state, state, do_state=None):
         """``split_loads``: K, then per (query head, query block) in the consumers' order Q + LSE2
         and dO + D on their own barriers; the first block issues K, Q, V, dO in the order the
         GEMMs read them, and only its statistics wait for the preprocess (PDL). Returns the
@@ -147,10 +147,16 @@ class BwdProducer:
         cute.copy(L.tma_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
         kv_state.advance()
         total = self.num_work_items(work)
-        for it in cutlass.range(total, unroll=1):
-            # (a plain call: the DSL must not see ``seqlen`` as state carried by the loop)
-            state = self.load_block(L.mQ, L.mdO, L.mLSE2, L.mD, L.tma_Q, L.tma_V, L.tma_dO, tVgV, tVsV, smem,
-                                    pipes, seqlen, work, it, state, kv_state)
+        # (plain calls: the DSL must not see ``seqlen`` as state carried by the loop)
+        if cutlass.const_expr(self.separate_do):
+            for it in cutlass.range(total, unroll=1):
+                state, do_state = self.load_block(L.mQ, L.mdO, L.mLSE2, L.mD, L.tma_Q, L.tma_V, L.tma_dO,
+                                                  tVgV, tVsV, smem, pipes, seqlen, work, it, state, kv_state,
+                                                  do_state)
+        else:
+            for it in cutlass.range(total, unroll=1):
+                state = self.load_block(L.mQ, L.mdO, L.mLSE2, L.mD, L.tma_Q, L.tma_V, L.tma_dO, tVgV, tVsV,
+                                        smem, pipes, seqlen, work, it, state, kv_state)
         if cutlass.const_expr(self.cfg.persistent):
             # A tile no query block sees still fills V's stage, so that every tile moves the K/V
             # pipeline by one phase on both sides.
@@ -163,9 +169,10 @@ class BwdProducer:
 
     @cute.jit
     def load_block(self, mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes,
-                   seqlen: SeqlenInfo, work, it: Int32, state, kv_state):
+                   seqlen: SeqlenInfo, work, it: Int32, state, kv_state, do_state=None):
         """``load_split``'s item ``it``: Q + LSE2, then dO + D (and V, and the preprocess wait, before
-        the first block's dO and statistics)."""
+        the first block's dO and statistics). With ``separate_do`` dO + D walk their own stages and
+        both states come back."""
         # (Plain names: a ``Ctx`` cannot be carried through the run-time ``if`` below.)
         pipe_kv, pipe_q, pipe_do = pipes.kv, pipes.q, pipes.do
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
@@ -177,9 +184,10 @@ class BwdProducer:
         if it == 0:
             waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
             cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        waits.acquire_empty(pipe_do, state, self.spin_waits)
-        bar_do = pipe_do.producer_get_barrier(state)
-        cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+        dos = do_state if cutlass.const_expr(self.separate_do) else state
+        waits.acquire_empty(pipe_do, dos, self.spin_waits)
+        bar_do = pipe_do.producer_get_barrier(dos)
+        cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, dos.index], tma_bar_ptr=bar_do)
         if it == 0:
             # K, V, Q and dO are inputs; LSE2 and D come from the preprocess.
             self.wait_for_preprocess()
@@ -188,9 +196,12 @@ class BwdProducer:
         with cute.arch.elect_one():
             cute.copy(bulk, cute.local_tile(gLSE2, (self.tile_m,), (m_block,)), smem.sLSE2[None, state.index],
                       mbar_ptr=bar_q)
-            cute.copy(bulk, cute.local_tile(gD, (self.tile_m,), (m_block,)), smem.sDsum[None, state.index],
+            cute.copy(bulk, cute.local_tile(gD, (self.tile_m,), (m_block,)), smem.sDsum[None, dos.index],
                       mbar_ptr=bar_do)
         state.advance()
+        if cutlass.const_expr(self.separate_do):
+            do_state.advance()
+            return state, do_state
         return state
 
     def wait_for_preprocess(self) -> None:

@@ -34,7 +34,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     def _setup(self) -> None:
         d, dv, tm, tn = self.hdim, self.hdim_v, self.tile_m, self.tile_n
         self.sQ_layout = self._smem(tm, d, self.num_stages)
-        self.sdO_layout = self._smem(tm, dv, self.num_stages)
+        self.sdO_layout = self._smem(tm, dv, self.num_do_stages)
         # dK^T / dV^T split over the warpgroups by head-dim rows where d is a multiple of 128 (two
         # 64-row slices each), else by keys (d = 192: every warpgroup all 192 rows, half the keys,
         # reading its key half of P^T / dS^T as its own MN-major operand).
@@ -87,19 +87,22 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tScS=acc_to_mn(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))))
 
     @cute.jit
-    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state):
+    def one_m_block(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state, do_state=None):
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         waits.wait_full(pipes.q, state, self.spin_waits)
         s = state.index
+        # dO + D's stage: the Q stage, or its own with ``do_stages`` (``separate_do``).
+        dos = do_state if cutlass.const_expr(self.separate_do) else state
+        sd = dos.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
-            waits.wait_full(pipes.do, state, self.spin_waits)
-        wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, s], ctx.tdPrV, zero_init=True, wg_wait=1)
+            waits.wait_full(pipes.do, dos, self.spin_waits)
+        wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, sd], ctx.tdPrV, zero_init=True, wg_wait=1)
         dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
         warpgroup.wait_group(0)
-        self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s])
+        self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
@@ -108,7 +111,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             ctx.tSsdS[i] = acc_dP[i].to(self.dtype)
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
-        wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, s], ctx.tdVrPt, zero_init=False,
+        wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
                 wg_wait=-1)
         wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
                 wg_wait=-1)
@@ -116,7 +119,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
         pipes.q.consumer_release(state)
         if cutlass.const_expr(self.split_loads):
-            pipes.do.consumer_release(state)
+            pipes.do.consumer_release(dos)
         self.store_dq(ctx, acc_dQ, head, m_block)
 
     @cute.jit
