@@ -83,8 +83,14 @@ SM90_BWD_SPLIT_LOADS = True
 SM90_BWD_SPIN_WAITS = True
 # Session 10, the wide kernel (one run, TFLOP/s, d = 256, default -> split loads + polling waits):
 # causal 2k 336 -> 348, 8k 400 -> 419; non-causal 2k 374 -> 395, 8k 411 -> 419 (split loads alone
-# within 1-2% of both together; polling alone 0-2.5%). d = 192 not measured yet: off there.
-SM90_BWD_WIDE_SPLIT_HDIMS = (256,)
+# within 1-2% of both together; polling alone 0-2.5%). d = 192 (one run): causal 2k 339 -> 349,
+# 8k 426 -> 436, non-causal 383 -> 388, 432 -> 419 -- on there only with the tile below.
+SM90_BWD_WIDE_SPLIT_HDIMS = (192, 256)
+# d = 192 (d_v = d, not deterministic): flash-attn-4's 2 Q stages + 1 dO stage + the dQ writer
+# warp (223 KB of smem) instead of 1 + 1 with the writer (causal) or 2 + 2 without (non-causal).
+# One run, TFLOP/s, with split loads + polling: causal 2k 338 -> 355, 8k 423 -> 435; non-causal
+# 382 -> 401, 428 -> 450 (flash-attn-4 406 / 495 / 464 / 499 in the same run).
+SM90_BWD_DO_STAGES = {192: 1}
 # Session 10: not measured yet, off.
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
@@ -211,6 +217,12 @@ class BwdSm90Config(jit.KernelConfig):
             tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
+        if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim and not self.deterministic
+                and self.split_loads is not False and not self.stages and not self.do_stages
+                and self.dq_warp is not False):
+            object.__setattr__(self, "dq_warp", True)
+            object.__setattr__(self, "stages", 2)
+            object.__setattr__(self, "do_stages", SM90_BWD_DO_STAGES[self.hdim])
         if self.dq_warp is None:
             dq_warp = SM90_BWD_DQ_WARP_NARROW_V.get((self.hdim, self.hdim_v), SM90_BWD_DQ_WARP[self.hdim])
             if self.causal:
