@@ -39,7 +39,8 @@ SM90_BWD_TILE_M = {64: 128, 96: 64, 128: 64, 192: 64, 256: 64}
 SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 # The dQ writer warp (``BwdSm90Config.dq_warp``), measured on the H200 at N = 8k: at d = 256 it
 # is worth its 64 KiB of smem even with a single Q / dO stage (+9% / +10% non-causal / causal);
-# at d = 192 (single stage too) only for causal (441 -> 416 non-causal, 400 -> 416-431 causal); at
+# at d = 192 (single stage too) only for causal (441 -> 416 non-causal, 400 -> 416-431 causal) --
+# superseded where d_v = d by ``SM90_BWD_DO_STAGES`` (2 Q + 1 dO stage with the writer); at
 # (192, 128), where two stages still fit beside it, 408 -> 439 non-causal.
 SM90_BWD_DQ_WARP = {64: True, 96: True, 128: True, 192: False, 256: True}
 SM90_BWD_DQ_WARP_CAUSAL = {192: True}
