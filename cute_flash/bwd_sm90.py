@@ -144,6 +144,8 @@ class BwdSm90Config(jit.KernelConfig):
     # before dK and hand the dQ tile over while dK runs; double-buffer dS per Q/dO stage (0 = the
     # Q/dO depth), dropping the consumers' EMPTY barrier before each dS store; store dS^T with
     # transposing stmatrix instead of 2-byte stores. Together +4-7% on the H200 (docs/notes.md).
+    # ``ds_stmatrix`` in the wide kernel (d >= 192): P and dS to smem by stmatrix (session 10,
+    # compiled clean, GPU test written, not yet run or measured: off there).
     dq_before_dk: bool | None = None
     ds_stages: int = 0
     ds_stmatrix: bool | None = None
@@ -257,10 +259,10 @@ class BwdSm90Config(jit.KernelConfig):
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
-        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.ds_stmatrix
-                                or self.dkv_stmatrix or self.prefetch_stats):
-            raise ValueError("sm90 backward: dq_before_dk / ds_stages / ds_stmatrix / dkv_stmatrix / "
-                             "prefetch_stats are narrow-kernel (d <= 128) switches")
+        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.dkv_stmatrix
+                                or self.prefetch_stats):
+            raise ValueError("sm90 backward: dq_before_dk / ds_stages / dkv_stmatrix / prefetch_stats are "
+                             "narrow-kernel (d <= 128) switches")
         if self.do_stages and self.do_stages != self.stages and not (
                 not narrow and self.split_loads and 1 <= self.do_stages < self.stages):
             raise ValueError("sm90 backward: do_stages (fewer than stages) is for the wide kernel with "

@@ -90,6 +90,11 @@ VARIANTS = [
                               (192, True, False, False, dict(stages=2, do_stages=1, dq_warp=True)),
                               (192, False, True, False, dict(stages=2, do_stages=1, dq_warp=True)))
 ] + [
+    # The wide kernel's P and dS to smem by stmatrix (queued, off).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, softcap=sc, ds_stmatrix=True)
+    for d, dv, c, sc in ((192, 192, True, False), (256, 256, False, False), (192, 128, True, False),
+                         (256, 256, True, True))
+] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
@@ -121,6 +126,7 @@ def _id(cfg: BwdSm90Config) -> str:
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
+    flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
     flags += ["stmatrix"] if cfg.tile_m == 80 and cfg.ds_stmatrix else []
     dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
     dims += f"-m{cfg.tile_m}" if cfg.tile_m == 80 else ""
@@ -175,6 +181,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
         if cfg.ds_stmatrix and cfg.tile_m == 80:  # dS^T: 20 single-tile stmatrix.trans
             assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
+        elif cfg.ds_stmatrix and cfg.hdim > 128:  # P and dS: stmatrix.x4 (not transposed)
+            assert sass.count("STSM.16.M88.4") == (6 if cfg.tile_n == 96 else 4)
         elif cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
             assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
 
@@ -398,6 +406,15 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
     """d = 192 with two Q stages, one dO stage (its own pipeline state) and the dQ writer warp."""
     _check_gradients(case, overrides=dict(stages=2, do_stages=1, dq_warp=True, split_loads=True,
                                           spin_waits=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
+                         + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
+def test_sm90_bwd_wide_stmatrix_p_and_ds_keep_gradients(case: tuple) -> None:
+    """The wide kernel with P and dS stored by stmatrix: every d = 192 / 256 case and (192, 128)."""
+    _check_gradients(case, overrides=dict(ds_stmatrix=True))
 
 
 @pytest.mark.gpu

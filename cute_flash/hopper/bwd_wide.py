@@ -25,6 +25,7 @@ from cute_flash.ampere import common
 from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90, dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
 from cute_flash.kernels import waits
+from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
@@ -81,6 +82,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
             tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
             tSsP=thr_sdp.partition_C(smem.sP), tSsdS=thr_sdp.partition_C(smem.sdS),
+            **self.pds_store_ctx(smem, tidx),
             acc_dK=cute.make_rmem_tensor(shape_dk, Float32),
             acc_dV=cute.make_rmem_tensor(shape_dv, Float32),
             # (query, key) of each S element of this thread, within the tile.
@@ -106,9 +108,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        for i in cutlass.range_constexpr(cute.size(acc_S)):
-            ctx.tSsP[i] = acc_S[i].to(self.dtype)
-            ctx.tSsdS[i] = acc_dP[i].to(self.dtype)
+        if cutlass.const_expr(self.ds_stmatrix):
+            for acc, dst in ((acc_S, ctx.tRSsP), (acc_dP, ctx.tRSsdS)):
+                r = cute.make_rmem_tensor_like(acc, self.dtype)
+                convert_pairs(acc, r)
+                cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), dst)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                ctx.tSsP[i] = acc_S[i].to(self.dtype)
+                ctx.tSsdS[i] = acc_dP[i].to(self.dtype)
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
@@ -121,6 +129,19 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         if cutlass.const_expr(self.split_loads):
             pipes.do.consumer_release(dos)
         self.store_dq(ctx, acc_dQ, head, m_block)
+
+    def pds_store_ctx(self, smem, tidx) -> dict:
+        """``ds_stmatrix`` in the wide kernel: P and dS leave the S / dP accumulators by stmatrix
+        (8x8 tiles; the keys are the contiguous axis of both smem tiles) instead of one 2-byte
+        store per element."""
+        if cutlass.const_expr(not self.ds_stmatrix):
+            return {}
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                   self.dtype)
+        tiled = cute.make_tiled_copy_C(atom, self.mma_sdp)
+        thr = tiled.get_slice(tidx)
+        return dict(st_PdS=tiled, thr_st_PdS=thr, tRSsP=thr.partition_D(smem.sP),
+                    tRSsdS=thr.partition_D(smem.sdS))
 
     @cute.jit
     def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32):
