@@ -79,7 +79,7 @@ SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # d = 64 causal 2k 381 -> 396, 8k 465 -> 493, non-causal 2k 458 -> 477, 8k 516 -> 529; d = 128
 # causal 2k 445 -> 447, 8k 525 -> 544, non-causal 543 -> 544, 598 -> 602. Either one alone moved
 # nothing beyond the noise (381 -> 383 / 386 at d = 64 causal 2k): the split adds waits, and a
-# sleeping wait wakes late. Narrow kernel only (the wide one was not measured).
+# sleeping wait wakes late.
 SM90_BWD_SPLIT_LOADS = True
 SM90_BWD_SPIN_WAITS = True
 # Session 10, the wide kernel (one run, TFLOP/s, d = 256, default -> split loads + polling waits):
@@ -92,12 +92,14 @@ SM90_BWD_WIDE_SPLIT_HDIMS = (192, 256)
 # One run, TFLOP/s, with split loads + polling: causal 2k 338 -> 355, 8k 423 -> 435; non-causal
 # 382 -> 401, 428 -> 450 (flash-attn-4 406 / 495 / 464 / 499 in the same run).
 SM90_BWD_DO_STAGES = {192: 1}
-# Session 10: not measured yet, off.
+# Session 10, one run each (TFLOP/s, default -> switch): the persistent grid d = 64 causal 2k
+# 381 -> 386, 8k 491 -> 465, non-causal 453 -> 446, 505 -> 490; d = 128 436 -> 423, 524 -> 523,
+# 529 -> 511, 590 -> 566. The dS-staged epilogue alone: within +-3% (noise). Both off.
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
 SM90_NUM_SMS_DEFAULT = 132
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
-# (session 9 profile); 128 until measured.
+# (session 9 profile); 256 measured within noise at d = 64 / 128 causal 2k / 4k (session 10).
 SM90_BWD_PRE_THREADS = 128
 
 
@@ -137,8 +139,8 @@ class BwdSm90Config(jit.KernelConfig):
     # flash-attn-4's d = 192 tile keeps two Q stages, one dO stage and the dQ writer warp.
     do_stages: int = 0
     # A producer-group warp adds each query block's dQ into the fp32 accumulator with one bulk
-    # reduce-add from smem (None = ``SM90_BWD_DQ_WARP``; deterministic mode, and d = 192, let the
-    # consumers issue vector reductions instead).
+    # reduce-add from smem (None = ``SM90_BWD_DQ_WARP``; deterministic mode, and d = 192 without
+    # ``SM90_BWD_DO_STAGES``'s tile, let the consumers issue vector reductions instead).
     dq_warp: bool | None = None
     # Narrow kernel schedule (after flash-attn-4's sm90 backward; None = on for d <= 128): issue dQ
     # before dK and hand the dQ tile over while dK runs; double-buffer dS per Q/dO stage (0 = the
@@ -195,8 +197,9 @@ class BwdSm90Config(jit.KernelConfig):
     # CTAs (the SM count, set by the launcher; 132 for the compile checks) stride over the K/V
     # tiles in the ``lpt`` section order. The producer loads the next tile's K / V as soon as the
     # consumers' last GEMMs of a tile are done and its Q / dO as stages free, so a tile's loads,
-    # barrier set-up and CTA launch hide under the previous tile's epilogue and dQ hand-off -- the
-    # fixed cost per CTA measured at d = 64 (docs/notes.md). None = ``SM90_BWD_PERSISTENT``.
+    # barrier set-up and CTA launch hide under the previous tile's epilogue and dQ hand-off. Built
+    # to test whether that is the fixed cost per CTA seen at d = 64: +1% there, -1 to -5% elsewhere
+    # (docs/notes.md), so off. None = ``SM90_BWD_PERSISTENT``.
     persistent: bool | None = None
     num_ctas: int = 0
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
@@ -277,8 +280,8 @@ class BwdSm90Config(jit.KernelConfig):
                              "split loads, without varlen, deterministic mode or softcap")
         if self.persistent and not (self.dkv_via_ds or self.dkv_stmatrix):
             # (The 2-byte smem stores' index math, carried across tiles, spills 224-440 bytes.)
-            raise ValueError("sm90 backward: the persistent grid takes the register or the stmatrix "
-                             "dK / dV epilogue")
+            raise ValueError("sm90 backward: the persistent grid takes the dS-staged (dkv_via_ds) or the "
+                             "stmatrix dK / dV epilogue")
         if self.dkv_via_ds and not narrow:
             raise ValueError("sm90 backward: dkv_via_ds is a narrow-kernel (d <= 128) epilogue")
         if self.persistent and not self.num_ctas:
