@@ -148,6 +148,12 @@ def bwd_post_fake_args(dtype: str, hdim: int, varlen: bool) -> tuple:
     return (dq_acc, dq, cu_q, cutlass.Float32(1.0), cutlass.Int32(0), jit.fake_stream())
 
 
+def pre_threads_per_row(hdim_v: int) -> int:
+    """Preprocess threads sharing one O / dO row: 16-byte loads, 8 threads per 64 columns (4 per
+    32); a CTA of ``threads`` covers ``threads // this`` rows per pass, which must tile tile_m."""
+    return (64 if hdim_v % 64 == 0 else 32) // 8
+
+
 @dataclass(frozen=True)
 class BwdPreConfig(jit.KernelConfig):
     """D = rowsum(dO*O), LSE*log2e, zeroed dQ accumulator (+ semaphores when deterministic)."""

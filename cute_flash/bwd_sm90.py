@@ -20,6 +20,7 @@ from cute_flash.bwd import (
     alloc_scratch,
     bwd_main_fake_args,
     bwd_post_fake_args,
+    pre_threads_per_row,
     problem_extents,
 )
 from cute_flash.fwd import normalize_window
@@ -347,11 +348,9 @@ class BwdSm90Config(jit.KernelConfig):
         return FlashBwdSm90(self)
 
     def pre(self) -> BwdPreConfig:
-        # 16-byte loads, 8 threads per 64 columns (4 per 32): the thread rows must tile tile_m.
-        per_row = 8 if self.hdim_v % 64 == 0 else 4
         threads = self.pre_threads or SM90_BWD_PRE_THREADS
-        if self.tile_m % (threads // per_row):
-            threads = 128
+        if self.tile_m % (threads // pre_threads_per_row(self.hdim_v)):
+            threads = 128  # (its thread rows would not tile the query block)
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
                             tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
                             launch_dependents=self.pdl, threads=threads)

@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_flash.bwd import pre_threads_per_row
 from cute_flash.kernels import bwd_math
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import LOG2_E
@@ -34,7 +35,7 @@ class FlashBwdPreSm80:
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         # O/dO rows are read with 16-byte loads, 8 (or 4) threads per 64 (32) columns; a row's
         # partial dot products are then combined with shuffles inside those lanes.
-        self.threads_per_row = (64 if self.hdim_v % 64 == 0 else 32) // 8
+        self.threads_per_row = pre_threads_per_row(self.hdim_v)
         assert self.tile_m * self.hdim % (4 * self.num_threads) == 0
         assert self.tile_m % (self.num_threads // self.threads_per_row) == 0
 

@@ -25,37 +25,44 @@ class BwdEpilogue:
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
-        free now) -> 16-byte row stores of the rows of this K/V block that exist."""
+        free now, or the dS buffers) -> 16-byte row stores of the rows of this K/V block that exist."""
         if cutlass.const_expr(self.cfg.dkv_via_ds):
-            self.store_dkv_via_ds(ctx, mdK, mdV, softmax_scale)
+            # sK / sV are not touched, so the persistent grid hands K and V back before this and
+            # the next tile's loads run under it.
+            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sdK_stage, ctx.smem.sdV_stage,
+                                  together=self.dkv_stage_offsets()[1] > 0)
         elif cutlass.const_expr(self.cfg.dkv_stmatrix):
-            self.store_dkv_stmatrix(ctx, mdK, mdV, softmax_scale)
+            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, together=True)
         else:
             coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
             self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
                            transposed=False)
 
     @cute.jit
-    def store_dkv_stmatrix(self, ctx, mdK, mdV, softmax_scale):
-        """``dkv_stmatrix``: dK / dV leave their accumulators through stmatrix (8x8 tiles, as the
-        forward's O) instead of one 2-byte store per element (128 per thread at d = 128), then the
-        same 16-byte row stores."""
-        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=self.num_mma_threads)
+    def store_dkv_staged(self, ctx, mdK, mdV, softmax_scale, sK, sV, together: cutlass.Constexpr[bool]):
+        """``dkv_stmatrix`` / ``dkv_via_ds``: dK / dV leave their accumulators through stmatrix (8x8
+        tiles, as the forward's O) instead of one 2-byte store per element (128 per thread at
+        d = 128) into sK / sV, then the 16-byte row stores; both tiles at once, or (``together``
+        False: one staging buffer) dK, then dV."""
+        bar, nthr = self.epilogue_barrier, self.num_mma_threads
+        # Every consumer warpgroup is done with the staging buffers (its last GEMMs were waited for).
+        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
         store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
         r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
-        for sT, acc, scale in ((ctx.smem.sK, ctx.acc_dK, softmax_scale),
-                               (ctx.smem.sV, ctx.acc_dV, Float32(1.0))):
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r[i] = (acc[i] * scale).to(self.dtype)
-            cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
-        cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=self.num_mma_threads)
-        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, sT, width in ((mdK, ctx.smem.sK, self.hdim), (mdV, ctx.smem.sV, self.hdim_v)):
-            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                 (ctx.n_block, 0))
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
+        parts = ((mdK, ctx.acc_dK, softmax_scale, self.hdim, sK),
+                 (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v, sV))
+        rounds = (parts,) if together else ((parts[0],), (parts[1],))
+        for i, rnd in enumerate(rounds):
+            for _, acc, scale, _, sT in rnd:
+                r = cute.make_rmem_tensor_like(acc, self.dtype)
+                for j in cutlass.range_constexpr(cute.size(acc)):
+                    r[j] = (acc[j] * scale).to(self.dtype)
+                cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
+            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+            self.store_dkv_rows(ctx, tuple((mT, sT, width) for mT, _, _, width, sT in rnd))
+            if cutlass.const_expr(i + 1 < len(rounds) or (self.cfg.persistent and self.cfg.dkv_via_ds)):
+                # Every row is read before the next round (or the next tile's dS) overwrites it.
+                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
 
     @cute.jit
     def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords_k, coords_v,
@@ -73,8 +80,14 @@ class BwdEpilogue:
                 else:
                     sT[a, b] = (acc[i] * scale).to(self.dtype)
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=self.num_mma_threads)
+        self.store_dkv_rows(ctx, ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)))
+
+    @cute.jit
+    def store_dkv_rows(self, ctx, parts: tuple):
+        """(global tensor, smem tile, width) each: 16-byte row stores of this K/V block's rows that
+        exist."""
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for mT, sT, width in ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)):
+        for mT, sT, width in parts:
             copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
             gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
                                  (ctx.n_block, 0))
@@ -88,33 +101,3 @@ class BwdEpilogue:
         if tile_k + tile_v <= cute.cosize(self.sdS_layout):
             return 0, tile_k
         return 0, 0
-
-    @cute.jit
-    def store_dkv_via_ds(self, ctx, mdK, mdV, softmax_scale):
-        """``dkv_via_ds``: stmatrix into the dS buffers (free once both warpgroups' last dQ GEMMs
-        are done), then 16-byte row stores. sK / sV are not touched, so the persistent grid hands
-        K and V back before this and the next tile's loads run under it."""
-        bar, nthr = self.epilogue_barrier, self.num_mma_threads
-        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
-        parts = ((mdK, ctx.acc_dK, softmax_scale, self.hdim, ctx.smem.sdK_stage),
-                 (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v, ctx.smem.sdV_stage))
-        together = self.dkv_stage_offsets()[1] > 0
-        rounds = (parts,) if together else ((parts[0],), (parts[1],))
-        rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
-        for i, rnd in enumerate(rounds):
-            for _, acc, scale, _, sT in rnd:
-                r = cute.make_rmem_tensor_like(acc, self.dtype)
-                for j in cutlass.range_constexpr(cute.size(acc)):
-                    r[j] = (acc[j] * scale).to(self.dtype)
-                cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-            for mT, _, _, width, sT in rnd:
-                copy = common.r2g_tiled_copy(self.dtype, width, nthr)
-                gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                     (ctx.n_block, 0))
-                common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
-            if cutlass.const_expr(i + 1 < len(rounds) or self.cfg.persistent):
-                # Every row is read before the next round (or the next tile's dS) overwrites it.
-                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
