@@ -173,8 +173,9 @@ class BwdSm90Config(jit.KernelConfig):
     # CTA launch, barrier init and the K / V loads overlap its tail -- and waits (griddepcontrol)
     # before it reads LSE2 / D or adds into the zeroed dQ accumulator (flash-attn-4 does this).
     pdl: bool | None = None
-    # Narrow kernel epilogue: dK / dV to smem by stmatrix instead of 2-byte stores (ours ran ~900
-    # instructions per thread after the loop vs flash-attn-4's 182-265).
+    # dK / dV to smem by stmatrix instead of 2-byte stores (narrow kernel: ours ran ~900
+    # instructions per thread after the loop vs flash-attn-4's 182-265; wide kernel, session 11:
+    # transposing stmatrix from dK^T / dV^T, 144 2-byte stores per thread at d = 192).
     dkv_stmatrix: bool | None = None
     # Postprocess: dQ through smem (stmatrix in, 16-byte row stores out) instead of 2- / 4-byte
     # stores from the fragment order (flash-attn-4 stages it too).
@@ -263,9 +264,8 @@ class BwdSm90Config(jit.KernelConfig):
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
-        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.dkv_stmatrix
-                                or self.prefetch_stats):
-            raise ValueError("sm90 backward: dq_before_dk / ds_stages / dkv_stmatrix / prefetch_stats are "
+        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.prefetch_stats):
+            raise ValueError("sm90 backward: dq_before_dk / ds_stages / prefetch_stats are "
                              "narrow-kernel (d <= 128) switches")
         if self.do_stages and self.do_stages != self.stages and not (
                 not narrow and self.split_loads and 1 <= self.do_stages < self.stages):
@@ -315,7 +315,7 @@ class BwdSm90Config(jit.KernelConfig):
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
-                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX and narrow,
+                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX,
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),
                     spin_waits=SM90_BWD_SPIN_WAITS and (narrow or wide_split))
         persistent_ok = (narrow and not (self.varlen or self.deterministic or self.softcap)

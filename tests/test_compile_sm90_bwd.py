@@ -95,6 +95,15 @@ VARIANTS = [
     for d, dv, c, sc in ((192, 192, True, False), (256, 256, False, False), (192, 128, True, False),
                          (256, 256, True, True))
 ] + [
+    # The wide kernel's dK^T / dV^T to smem by transposing stmatrix (session 11, queued).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, softcap=sc, deterministic=det,
+                  dkv_stmatrix=True, **kw)
+    for d, dv, c, sc, det, kw in ((192, 192, True, False, False, {}), (256, 256, False, False, False, {}),
+                                  (192, 128, False, False, False, {}), (192, 192, True, True, False, {}),
+                                  (256, 256, True, False, True, {}),
+                                  (192, 192, False, False, False, dict(ds_stmatrix=True)),
+                                  (256, 256, True, False, False, dict(ds_stmatrix=True)))
+] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
@@ -183,6 +192,13 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
         elif cfg.ds_stmatrix and cfg.hdim > 128:  # P and dS: stmatrix.x4 (not transposed)
             assert sass.count("STSM.16.M88.4") == (6 if cfg.tile_n == 96 else 4)
+        if cfg.dkv_stmatrix and cfg.hdim > 128:
+            # dK^T / dV^T: (d + d_v) x tile_n / 2 values per warpgroup, 32 per stmatrix.x4.trans per
+            # thread -- and none of the 2-byte stores of the other epilogue beyond P's and dS's.
+            per_thread = (cfg.hdim + cfg.hdim_v) * cfg.tile_n // 2 // 128
+            assert sass.count("STSM.16.MT88.4") == per_thread // 8
+            pds = 0 if cfg.ds_stmatrix else 2 * cfg.tile_m * cfg.tile_n // 256
+            assert len(re.findall(r"\bSTS\.U16\b", sass)) == pds
         elif cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
             assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
 
@@ -412,9 +428,11 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
                          + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
-def test_sm90_bwd_wide_stmatrix_p_and_ds_keep_gradients(case: tuple) -> None:
-    """The wide kernel with P and dS stored by stmatrix: every d = 192 / 256 case and (192, 128)."""
-    _check_gradients(case, overrides=dict(ds_stmatrix=True))
+@pytest.mark.parametrize("switch", ["ds_stmatrix", "dkv_stmatrix"])
+def test_sm90_bwd_wide_stmatrix_p_ds_and_dkv_keep_gradients(case: tuple, switch: str) -> None:
+    """The wide kernel with P and dS, or dK^T / dV^T (transposed), stored by stmatrix: every
+    d = 192 / 256 case and (192, 128)."""
+    _check_gradients(case, overrides={switch: True})
 
 
 @pytest.mark.gpu

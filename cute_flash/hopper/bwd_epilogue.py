@@ -16,6 +16,7 @@ from cutlass import Float32
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
+from cute_flash.kernels.layout import transpose_smem
 
 
 class BwdEpilogue:
@@ -39,15 +40,19 @@ class BwdEpilogue:
                            transposed=False)
 
     @cute.jit
-    def store_dkv_staged(self, ctx, mdK, mdV, softmax_scale, sK, sV, together: cutlass.Constexpr[bool]):
+    def store_dkv_staged(self, ctx, mdK, mdV, softmax_scale, sK, sV, together: cutlass.Constexpr[bool],
+                         transposed: cutlass.Constexpr[bool] = False):
         """``dkv_stmatrix`` / ``dkv_via_ds``: dK / dV leave their accumulators through stmatrix (8x8
         tiles, as the forward's O) instead of one 2-byte store per element (128 per thread at
         d = 128) into sK / sV, then the 16-byte row stores; both tiles at once, or (``together``
-        False: one staging buffer) dK, then dV."""
+        False: one staging buffer) dK, then dV. ``transposed``: the accumulators hold dK^T / dV^T
+        (the wide kernel's head dim on M), so each 8x8 tile is transposed on its way to the
+        (key, head dim) rows."""
         bar, nthr = self.epilogue_barrier, self.num_mma_threads
         # Every consumer warpgroup is done with the staging buffers (its last GEMMs were waited for).
         cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR if transposed else LayoutEnum.ROW_MAJOR,
+                                                self.dtype, Float32)
         r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
         parts = ((mdK, ctx.acc_dK, softmax_scale, self.hdim, sK),
                  (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v, sV))
@@ -57,7 +62,7 @@ class BwdEpilogue:
                 r = cute.make_rmem_tensor_like(acc, self.dtype)
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     r[j] = (acc[j] * scale).to(self.dtype)
-                cute.copy(r2s, r2s.retile(r), r2s.partition_D(sT))
+                cute.copy(r2s, r2s.retile(r), r2s.partition_D(transpose_smem(sT) if transposed else sT))
             cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
             self.store_dkv_rows(ctx, tuple((mT, sT, width) for mT, _, _, width, sT in rnd))
             if cutlass.const_expr(i + 1 < len(rounds) or (self.cfg.persistent and self.cfg.dkv_via_ds)):

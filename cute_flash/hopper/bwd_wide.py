@@ -176,8 +176,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
-        """dK^T (scaled) and dV^T back to (key, head dim) rows through K's and V's smem buffers."""
-        coords_k = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
-        coords_v = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim_v, self.tile_n)))
-        self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords_k, coords_v,
-                       transposed=True)
+        """dK^T (scaled) and dV^T back to (key, head dim) rows through K's and V's smem buffers:
+        transposing stmatrix (``dkv_stmatrix``) or one 2-byte store per element (144 per thread at
+        d = 192)."""
+        if cutlass.const_expr(self.cfg.dkv_stmatrix):
+            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, together=True,
+                                  transposed=True)
+        else:
+            coords_k = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
+            coords_v = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim_v, self.tile_n)))
+            self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords_k, coords_v,
+                           transposed=True)
