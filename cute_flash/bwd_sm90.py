@@ -76,6 +76,9 @@ SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
 SM90_BWD_PREFETCH_STATS = {(128, False)}
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
+# (The wide kernel's transposing dK^T / dV^T stmatrix, session 11, beside stmatrix P / dS: d = 192
+# 411 -> 417, 471 -> 468, causal 366 -> 371, 455 -> 450 (24 bytes of spills there); d = 256
+# 398 -> 398, 431 -> 431, 355 -> 357, 434 -> 431. Noise: off.)
 # Session 9 (``scripts/tune_bwd_sm90.py``, one run, TFLOP/s, default -> split loads + polling waits):
 # d = 64 causal 2k 381 -> 396, 8k 465 -> 493, non-causal 2k 458 -> 477, 8k 516 -> 529; d = 128
 # causal 2k 445 -> 447, 8k 525 -> 544, non-causal 543 -> 544, 598 -> 602. Either one alone moved
@@ -147,8 +150,8 @@ class BwdSm90Config(jit.KernelConfig):
     # before dK and hand the dQ tile over while dK runs; double-buffer dS per Q/dO stage (0 = the
     # Q/dO depth), dropping the consumers' EMPTY barrier before each dS store; store dS^T with
     # transposing stmatrix instead of 2-byte stores. Together +4-7% on the H200 (docs/notes.md).
-    # ``ds_stmatrix`` in the wide kernel (d >= 192): P and dS to smem by stmatrix (session 10,
-    # compiled clean, GPU test written, not yet run or measured: off there).
+    # ``ds_stmatrix`` in the wide kernel (d >= 192): P and dS to smem by stmatrix (+3-7% at
+    # d = 192 / 256, session 11).
     dq_before_dk: bool | None = None
     ds_stages: int = 0
     ds_stmatrix: bool | None = None
@@ -256,7 +259,10 @@ class BwdSm90Config(jit.KernelConfig):
             # (At tile_m = 80, one 8x8 tile per stmatrix: compiles clean non-causal -- 20 STSM, no
             # spills, wgmmas async -- but is not yet measured; causal spills 24 bytes and
             # deterministic mode serialises the wgmmas, so those are refused below.)
-            object.__setattr__(self, "ds_stmatrix", narrow and self.tile_m % 64 == 0)
+            # Wide kernel (P and dS, session 11, one run, TFLOP/s, N = 2k / 8k): d = 192 non-causal
+            # 400 -> 411, 453 -> 471, causal 347 -> 366, 426 -> 455; d = 256 383 -> 398, 423 -> 431,
+            # 339 -> 355, 406 -> 434.
+            object.__setattr__(self, "ds_stmatrix", self.tile_m % 64 == 0)
         if not self.ds_stages:
             object.__setattr__(self, "ds_stages", self.stages if narrow else 1)
         if self.dq_warp and self.deterministic:
