@@ -270,9 +270,9 @@ class BwdSm90Config(jit.KernelConfig):
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
-        if self.hdim > 128 and (self.dq_before_dk or self.ds_stages != 1 or self.prefetch_stats):
-            raise ValueError("sm90 backward: dq_before_dk / ds_stages / prefetch_stats are "
-                             "narrow-kernel (d <= 128) switches")
+        if self.hdim > 128 and (self.ds_stages != 1 or self.prefetch_stats):
+            raise ValueError("sm90 backward: ds_stages / prefetch_stats are narrow-kernel (d <= 128) "
+                             "switches")
         if self.do_stages and self.do_stages != self.stages and not (
                 not narrow and self.split_loads and 1 <= self.do_stages < self.stages):
             raise ValueError("sm90 backward: do_stages (fewer than stages) is for the wide kernel with "

@@ -106,6 +106,13 @@ VARIANTS = [
                                   (192, 192, False, False, False, dict(ds_stmatrix=True)),
                                   (256, 256, True, False, False, dict(ds_stmatrix=True)))
 ] + [
+    # The wide kernel in flash-attn-4's order (P stored under dP, dV under the dS store, dQ handed
+    # over under dK; session 11).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, softcap=sc, deterministic=det,
+                  varlen=vl, dq_before_dk=True)
+    for d, dv, c, sc, det, vl in ((192, 192, 1, 0, 0, 0), (192, 192, 0, 0, 0, 1), (256, 256, 1, 0, 0, 0),
+                                  (192, 128, 1, 0, 0, 0), (192, 192, 1, 1, 0, 0), (256, 256, 1, 0, 1, 1))
+] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
@@ -138,6 +145,7 @@ def _id(cfg: BwdSm90Config) -> str:
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
+    flags += ["fa4-order"] if cfg.hdim > 128 and cfg.dq_before_dk else []
     flags += ["stmatrix"] if cfg.tile_m == 80 and cfg.ds_stmatrix else []
     dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
     dims += f"-m{cfg.tile_m}" if cfg.tile_m == 80 else ""
@@ -430,11 +438,13 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
                          + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
-@pytest.mark.parametrize("switch", ["ds_stmatrix", "dkv_stmatrix"])
-def test_sm90_bwd_wide_stmatrix_p_ds_and_dkv_keep_gradients(case: tuple, switch: str) -> None:
-    """The wide kernel with P and dS, or dK^T / dV^T (transposed), stored by stmatrix: every
-    d = 192 / 256 case and (192, 128)."""
-    _check_gradients(case, overrides={switch: True})
+@pytest.mark.parametrize("switch", ["ds_stmatrix=0", "dkv_stmatrix=1", "dq_before_dk=1"])
+def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None:
+    """The wide kernel with P and dS by 2-byte stores, dK^T / dV^T by (transposing) stmatrix, or
+    flash-attn-4's order (P stored under the dP GEMM, dV under the dS store, dQ handed over under
+    dK): every d = 192 / 256 case and (192, 128)."""
+    name, value = switch.split("=")
+    _check_gradients(case, overrides={name: bool(int(value))})
 
 
 @pytest.mark.gpu

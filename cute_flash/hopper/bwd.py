@@ -60,6 +60,9 @@ BAR_DQ_ORDER = 3
 BAR_DQ_EMPTY = 4  # and 5
 BAR_DQ_FULL = 6  # and 7
 DQ_HANDOFF_THREADS = 128 + 32
+# Wide kernel with ``dq_before_dk``: P in smem from both warpgroups before the dV GEMM reads it
+# (P and dS then meet at separate barriers, so dV runs while dS is stored).
+BAR_P_FULL = 8
 NUM_MMA_THREADS = 256
 
 

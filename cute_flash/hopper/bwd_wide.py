@@ -22,7 +22,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_flash.ampere import common
-from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90, dq_tiled_mma
+from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, BAR_P_FULL, FlashBwdSm90, dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
 from cute_flash.kernels import waits
 from cute_flash.kernels.convert import convert_pairs
@@ -30,7 +30,8 @@ from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
 class FlashBwdSm90Wide(FlashBwdSm90):
-    """(The narrow kernel's ``dq_before_dk`` / ``ds_stages`` switches do not apply here.)"""
+    """(The narrow kernel's ``ds_stages`` does not apply here; ``dq_before_dk`` is flash-attn-4's
+    order of the block's stores and GEMMs, see ``one_m_block``.)"""
 
     def _setup(self) -> None:
         d, dv, tm, tn = self.hdim, self.hdim_v, self.tile_m, self.tile_n
@@ -103,32 +104,60 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             waits.wait_full(pipes.do, dos, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, sd], ctx.tdPrV, zero_init=True, wg_wait=1)
         dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
-        warpgroup.wait_group(0)
-        self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
-        cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        if cutlass.const_expr(self.ds_stmatrix):
-            for acc, dst in ((acc_S, ctx.tRSsP), (acc_dP, ctx.tRSsdS)):
-                r = cute.make_rmem_tensor_like(acc, self.dtype)
-                convert_pairs(acc, r)
-                cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), dst)
+        if cutlass.const_expr(self.dq_before_dk):
+            # flash-attn-4's order: P leaves while dP is still in flight, dV starts while dS is
+            # stored, and dQ is handed over while dK runs.
+            cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+            self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
+            warpgroup.wait_group(0)
+            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
+            cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
+            cute.arch.barrier(barrier_id=BAR_P_FULL, number_of_threads=self.num_mma_threads)
+            self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
+            wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
+                    wg_wait=-1)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
+            acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+            wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=-1)
+            wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
+                    wg_wait=1)
+            if cutlass.const_expr(self.split_loads):
+                pipes.do.consumer_release(dos)  # dV (its last reader) is done; dK still reads Q
+            self.store_dq(ctx, acc_dQ, head, m_block)
+            warpgroup.wait_group(0)
+            pipes.q.consumer_release(state)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                ctx.tSsP[i] = acc_S[i].to(self.dtype)
-                ctx.tSsdS[i] = acc_dP[i].to(self.dtype)
-        cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
-        cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
-        wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
-                wg_wait=-1)
-        wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
-                wg_wait=-1)
-        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
-        pipes.q.consumer_release(state)
-        if cutlass.const_expr(self.split_loads):
-            pipes.do.consumer_release(dos)
-        self.store_dq(ctx, acc_dQ, head, m_block)
+            warpgroup.wait_group(0)
+            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
+            cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+            self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
+            self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
+            cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
+            wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
+                    wg_wait=-1)
+            wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
+                    wg_wait=-1)
+            acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+            wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
+            pipes.q.consumer_release(state)
+            if cutlass.const_expr(self.split_loads):
+                pipes.do.consumer_release(dos)
+            self.store_dq(ctx, acc_dQ, head, m_block)
+
+    def store_pds(self, ctx, acc, tSs, tRSs) -> None:
+        """P or dS (an S-shaped accumulator) -> its smem tile, 16 bit: stmatrix (``ds_stmatrix``)
+        or one 2-byte store per element."""
+        if cutlass.const_expr(self.ds_stmatrix):
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            convert_pairs(acc, r)
+            cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), tRSs)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                tSs[i] = acc[i].to(self.dtype)
 
     def pds_store_ctx(self, smem, tidx) -> dict:
         """``ds_stmatrix`` in the wide kernel: P and dS leave the S / dP accumulators by stmatrix
