@@ -99,6 +99,12 @@ SM90_BWD_DO_STAGES = {192: 1}
 # Session 10, one run each (TFLOP/s, default -> switch): the persistent grid d = 64 causal 2k
 # 381 -> 386, 8k 491 -> 465, non-causal 453 -> 446, 505 -> 490; d = 128 436 -> 423, 524 -> 523,
 # 529 -> 511, 590 -> 566. The dS-staged epilogue alone: within +-3% (noise). Both off.
+# Session 11, the wide kernel with stmatrix P / dS (one run, TFLOP/s, N = 2k / 8k): flash-attn-4's
+# order of a block (``dq_before_dk``: P stored under the dP GEMM, dV under the dS store, dQ handed
+# over under dK) with stmatrix dK^T / dV^T: d = 192 non-causal 398 -> 429, 466 -> 473, causal
+# 359 -> 372, 450 -> 454 (the order alone 415 / 476 / 365 / 446). At d = 256 the order lost 15-20%
+# (388 -> 309, 420 -> 340): off there. (192, 128) not measured: off.
+SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
 SM90_NUM_SMS_DEFAULT = 132
@@ -151,7 +157,8 @@ class BwdSm90Config(jit.KernelConfig):
     # Q/dO depth), dropping the consumers' EMPTY barrier before each dS store; store dS^T with
     # transposing stmatrix instead of 2-byte stores. Together +4-7% on the H200 (docs/notes.md).
     # ``ds_stmatrix`` in the wide kernel (d >= 192): P and dS to smem by stmatrix (+3-7% at
-    # d = 192 / 256, session 11).
+    # d = 192 / 256, session 11); ``dq_before_dk`` there: flash-attn-4's order of a block's smem
+    # stores and GEMMs (``SM90_BWD_WIDE_FA4_ORDER``).
     dq_before_dk: bool | None = None
     ds_stages: int = 0
     ds_stmatrix: bool | None = None
@@ -254,7 +261,7 @@ class BwdSm90Config(jit.KernelConfig):
         if self.lpt and (self.varlen or self.deterministic):
             raise ValueError("sm90 backward: lpt walks fixed-length grids, not deterministic mode")
         if self.dq_before_dk is None:
-            object.__setattr__(self, "dq_before_dk", narrow)
+            object.__setattr__(self, "dq_before_dk", narrow or self._wide_fa4_order())
         if self.ds_stmatrix is None:
             # (At tile_m = 80, one 8x8 tile per stmatrix: compiles clean non-causal -- 20 STSM, no
             # spills, wgmmas async -- but is not yet measured; causal spills 24 bytes and
@@ -313,6 +320,11 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
                              "deterministic mode (they spill / serialise the wgmmas)")
 
+    def _wide_fa4_order(self) -> bool:
+        # (Its stmatrix dK^T / dV^T goes with it: without the order, d = 192 causal spills 24 bytes.)
+        return (self.hdim in SM90_BWD_WIDE_FA4_ORDER and self.hdim_v == self.hdim
+                and self.dq_before_dk is not False)
+
     def _resolve_switches(self, narrow: bool) -> None:
         # (The 80-row tile keeps its own measured schedule: none of these were timed with it.)
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
@@ -321,7 +333,7 @@ class BwdSm90Config(jit.KernelConfig):
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
-                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX,
+                    dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),
                     spin_waits=SM90_BWD_SPIN_WAITS and (narrow or wide_split))
         persistent_ok = (narrow and not (self.varlen or self.deterministic or self.softcap)

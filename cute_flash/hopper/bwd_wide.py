@@ -156,7 +156,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             convert_pairs(acc, r)
             cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), tRSs)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in range(cute.size(acc)):  # (a plain helper: unrolled as it is traced)
                 tSs[i] = acc[i].to(self.dtype)
 
     def pds_store_ctx(self, smem, tidx) -> dict:
