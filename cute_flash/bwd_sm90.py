@@ -103,7 +103,9 @@ SM90_BWD_DO_STAGES = {192: 1}
 # order of a block (``dq_before_dk``: P stored under the dP GEMM, dV under the dS store, dQ handed
 # over under dK) with stmatrix dK^T / dV^T: d = 192 non-causal 398 -> 429, 466 -> 473, causal
 # 359 -> 372, 450 -> 454 (the order alone 415 / 476 / 365 / 446). At d = 256 the order lost 15-20%
-# (388 -> 309, 420 -> 340): off there. (192, 128) not measured: off.
+# (388 -> 309, 420 -> 340: the single Q stage is released only after the dQ hand-off), and with
+# two Q / dO stages and no writer warp 393 -> 366, 432 -> 407, causal 349 -> 320, 423 -> 381.
+# (192, 128): 412 -> 401, 462 -> 447, causal 334 -> 345, 433 -> 413. Off at both.
 SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
