@@ -553,6 +553,8 @@ def test_backward_launcher_overwrites_nan_poisoned_gradients(seed, case):
     Case(dtype=BF16, hdim=128, heads=(8, 2), nq=1000, nk=1000),
     Case(dtype=FP16, hdim=64, causal=True, heads=(6, 1), nq=4224, nk=4224),
     Case(dtype=BF16, hdim=256, window=(64, 32), softcap=30.0, nq=1000, nk=113),
+    # d = 192: the wide kernel in flash-attn-4's order (dQ's ordered add under the dK GEMM).
+    Case(dtype=BF16, hdim=192, causal=True, heads=(4, 2), nq=1000, nk=1500),
 ], ids=str)
 def test_deterministic_backward_is_bitwise_reproducible(seed, case):
     q, k, v = make_qkv(case)
