@@ -8,8 +8,8 @@ d=${1:-64}; n=${2:-2048}; c=${3:-1}
 for who in ours fa4; do
   timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k regex:'FlashBwdSm90_object|FlashAttentionBackwardSm90' \
     --launch-skip 2 --launch-count 1 --set full -f -o "$OUT/${who}_d${d}" \
-    python scripts/ncu_bwd.py "$who" "$d" "$n" "$c" > "$OUT/${who}_d${d}_run.log" 2>&1
-  echo "== ncu $who rc=$?"
+    python scripts/ncu_bwd.py "$who" "$d" "$n" "$c" > "/tmp/${who}_d${d}_run.log" 2>&1
+  echo "== ncu $who rc=$?"; tail -3 "/tmp/${who}_d${d}_run.log"
   ncu --import "$OUT/${who}_d${d}.ncu-rep" --page details > "$OUT/${who}_d${d}.txt" 2>&1
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Shared Memory Configuration Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps|L2 Hit Rate|Executed Ipc Active|Warp Cycles Per Issued" "$OUT/${who}_d${d}.txt" | head -20
 done
