@@ -114,6 +114,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         self.det_descending = cfg.det_descending
         self.lpt = cfg.lpt
         self.prefetch_stats = cfg.prefetch_stats
+        self.shuffle_stats = cfg.shuffle_stats
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -505,12 +506,16 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # into registers while S^T (then dP^T) is in flight, not after its wait, where each
         # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
         lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
+        if cutlass.const_expr(self.shuffle_stats >= 2):
+            lse2 = self.stats_shared_regs(ctx.smem.sLSE2[None, s])
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
         dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None
+        if cutlass.const_expr(self.shuffle_stats):
+            dsum = self.stats_shared_regs(ctx.smem.sDsum[None, s])
         warpgroup.wait_group(0)
         self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -593,6 +598,34 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             regs[c] = sStat[ctx.tScS[0, c][1]]
         return regs
 
+    def stats_shared_regs(self, sStat):
+        """``shuffle_stats``: this lane's share of a query block's statistics -- 2 per 64 queries
+        (flash-attn-4's ``shuffle_LSE``). The S^T accumulator gives every lane of a quad position q
+        the same query columns 8 j + 2 q + {0, 1}; lane (g, q) of the warp loads them for the
+        column groups j = g (mod 8), and ``stat_at`` fetches the others by shuffle. 4 + 4 registers
+        at d = 64 instead of 32 + 32 (``prefetch_stats``), and 4 + 4 smem loads per block instead
+        of 32: the per-column loads queued behind the exponentials in the MIO pipe."""
+        lane = cute.arch.lane_idx()
+        g, q = lane // 4, lane % 4
+        per = self.tile_m // 64
+        regs = cute.make_rmem_tensor(2 * per, Float32)
+        for k in range(per):  # (a plain helper: unrolled as it is traced)
+            i0 = 8 * (g + 8 * k) + 2 * q
+            regs[2 * k] = sStat[i0]
+            regs[2 * k + 1] = sStat[i0 + 1]
+        return regs
+
+    def stat_at(self, ctx, sStat, regs, c: int) -> Float32:
+        """The statistic of accumulator column ``c`` (query 8 j + 2 q + b, c = 2 j + b): from smem,
+        from ``prefetch_stats``' registers, or (``shuffle_stats``) from the lane that loaded it."""
+        if cutlass.const_expr(regs is None):
+            return sStat[ctx.tScS[0, c][1]]
+        if cutlass.const_expr(not self.shuffle_stats or cute.size(regs) > 2 * (self.tile_m // 64)):
+            return regs[c]  # (prefetched, or already shuffled into one register per column)
+        j, b = c // 2, c % 2
+        src = (j % 8) * 4 + cute.arch.lane_idx() % 4
+        return cute.arch.shuffle_sync(regs[(j // 8) * 2 + b], offset=src)
+
     @cute.jit
     def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
         """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
@@ -600,18 +633,25 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
         dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
+        if cutlass.const_expr(self.shuffle_stats >= 2):
+            # Shuffled before the mask's branch: shfl.sync inside it would need the warp converged
+            # there, and ptxas then serialises every wgmma (32 waits instead of 4).
+            lse2_all = cute.make_rmem_tensor(cute.size(acc, mode=[1]), Float32)
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                lse2_all[c] = self.stat_at(ctx, sLSE2, lse2_regs, c)
+            lse2_regs = lse2_all
         bounds = self.mask_bounds(ctx, m_block)
         # Only edge blocks (diagonal / window band, the partial last K/V block) pay for the mask:
         # at d = 64 its compare-and-select is a quarter of the loop body's instructions.
         if self.block_needs_mask(bounds):
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = sLSE2[ctx.tScS[0, c][1]] if cutlass.const_expr(lse2_regs is None) else lse2_regs[c]
+                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
                 for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                     key, query = ctx.tScS[r, c]
                     acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = sLSE2[ctx.tScS[0, c][1]] if cutlass.const_expr(lse2_regs is None) else lse2_regs[c]
+                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
                 for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                     acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
@@ -666,7 +706,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = sDsum[ctx.tScS[0, c][1]] if cutlass.const_expr(dsum_regs is None) else dsum_regs[c]
+            dsum = self.stat_at(ctx, sDsum, dsum_regs, c)
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         self.softcap_grad(acc_dP, dtanh)
