@@ -185,7 +185,7 @@ class BwdSm90Config(jit.KernelConfig):
     # MUFUs stall on the MIO queue and on fixed-latency waits (11.1k samples vs 3.7k). 1: D only
     # (shuffled once every wgmma of the block has completed), 2: LSE2 too (shuffled while dP^T is
     # in flight). At d = 64 either one spills and serialises the wgmmas (refused); at d = 128
-    # causal 2 spills (refused).
+    # causal 2 spills (refused). 1 goes with ``prefetch_stats`` (LSE2 prefetched, D shuffled).
     shuffle_stats: int = 0
     # dQ writer warp: issue both warpgroups' reduce-adds, then release each chunk as it is read,
     # instead of waiting for the first chunk's read before taking the second (flash-attn-4's writer).
@@ -263,10 +263,11 @@ class BwdSm90Config(jit.KernelConfig):
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         self._resolve_switches(narrow)
-        if self.shuffle_stats and (self.prefetch_stats or self.hdim not in (96, 128) or self.tile_m % 64
-                                   or self.shuffle_stats not in (1, 2)):
-            raise ValueError("sm90 backward: shuffle_stats (1 or 2) is for d = 96 / 128 with tile_m 64, "
-                             "instead of prefetch_stats")
+        if self.shuffle_stats and (self.hdim not in (96, 128) or self.tile_m % 64
+                                   or self.shuffle_stats not in (1, 2)
+                                   or (self.prefetch_stats and self.shuffle_stats == 2)):
+            raise ValueError("sm90 backward: shuffle_stats (1 or 2) is for d = 96 / 128 with tile_m 64; "
+                             "2 (LSE2 too) instead of prefetch_stats")
         if self.shuffle_stats == 2 and (self.causal or self.local or self.softcap):
             raise ValueError("sm90 backward: shuffle_stats = 2 spills with a mask or softcap (use 1)")
         if self.prefetch_stats and (self.softcap or not narrow):
@@ -349,7 +350,7 @@ class BwdSm90Config(jit.KernelConfig):
         auto = dict(pdl=SM90_BWD_PDL,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow
-                                    and not self.shuffle_stats),
+                                    and self.shuffle_stats != 2),
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),

@@ -115,9 +115,11 @@ VARIANTS = [
 ] + [
     # LSE2 / D shared by shuffles (2 loads per 64 queries per lane; session 11).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=det, softcap=sc,
-                  shuffle_stats=mode)
-    for d, c, vl, det, sc, mode in ((128, 1, 0, 0, 0, 1), (128, 0, 0, 0, 0, 1), (128, 0, 1, 0, 0, 2),
-                                    (96, 1, 0, 0, 0, 1), (128, 1, 1, 1, 0, 1), (128, 0, 0, 0, 1, 1))
+                  shuffle_stats=mode, prefetch_stats=pf)
+    for d, c, vl, det, sc, mode, pf in ((128, 1, 0, 0, 0, 1, False), (128, 1, 0, 0, 0, 1, True),
+                                        (128, 0, 0, 0, 0, 1, True), (128, 0, 1, 0, 0, 2, False),
+                                        (96, 1, 0, 0, 0, 1, False), (128, 1, 1, 1, 0, 1, False),
+                                        (128, 0, 0, 0, 1, 1, False))
 ] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
@@ -458,10 +460,15 @@ def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (96, 128)])
 def test_sm90_bwd_shuffled_statistics_keep_gradients(case: tuple) -> None:
-    """LSE2 / D fetched by shuffle from the lane that loaded them (``shuffle_stats``): D alone on
-    every d = 96 / 128 case, LSE2 too where it compiles clean (no mask, no softcap)."""
-    masked = case[5] or case[6] != (-1, -1) or case[7]
-    _check_gradients(case, overrides=dict(shuffle_stats=1 if masked else 2, prefetch_stats=False))
+    """LSE2 / D fetched by shuffle from the lane that loaded them (``shuffle_stats``) on every
+    d = 96 / 128 case: both where that compiles clean (no mask, no softcap), else D alone, with
+    LSE2 prefetched into registers (softcap: read from smem)."""
+    masked = case[5] or case[6] != (-1, -1)
+    if case[7]:
+        overrides = dict(shuffle_stats=1, prefetch_stats=False)
+    else:
+        overrides = dict(shuffle_stats=1, prefetch_stats=True) if masked else dict(shuffle_stats=2)
+    _check_gradients(case, overrides=overrides)
 
 
 @pytest.mark.gpu
