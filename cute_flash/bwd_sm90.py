@@ -73,7 +73,11 @@ SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 #   448 / 513 / 518; causal they lost 3-5% at 8k / 16k).
 SM90_BWD_PDL = True
 SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
-SM90_BWD_PREFETCH_STATS = {(128, False)}
+# Session 11 (one run, TFLOP/s, N = 2k / 8k): prefetching at d = 128 causal now wins, 431 -> 455,
+# 518 -> 546 (flash-attn-4 451 / 555; it cost 1-2% in session 7, before the split loads and
+# polling waits). Nsight Compute had shown the FFMAs of the exponentials' arguments waiting on
+# their LSE2 loads (short scoreboard: 25.6k samples against flash-attn-4's 1.6k).
+SM90_BWD_PREFETCH_STATS = {(128, False), (128, True)}
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # (The wide kernel's transposing dK^T / dV^T stmatrix, session 11, beside stmatrix P / dS: d = 192
@@ -186,6 +190,8 @@ class BwdSm90Config(jit.KernelConfig):
     # (shuffled once every wgmma of the block has completed), 2: LSE2 too (shuffled while dP^T is
     # in flight). At d = 64 either one spills and serialises the wgmmas (refused); at d = 128
     # causal 2 spills (refused). 1 goes with ``prefetch_stats`` (LSE2 prefetched, D shuffled).
+    # Measured at d = 128 (one run, N = 2k / 8k): 1-4% slower than smem loads in every
+    # combination (a shuffle costs what the load it replaces did); off.
     shuffle_stats: int = 0
     # dQ writer warp: issue both warpgroups' reduce-adds, then release each chunk as it is read,
     # instead of waiting for the first chunk's read before taking the second (flash-attn-4's writer).
