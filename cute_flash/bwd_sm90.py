@@ -76,7 +76,10 @@ SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
 # Session 11 (one run, TFLOP/s, N = 2k / 8k): prefetching at d = 128 causal now wins, 431 -> 455,
 # 518 -> 546 (flash-attn-4 451 / 555; it cost 1-2% in session 7, before the split loads and
 # polling waits). Nsight Compute had shown the FFMAs of the exponentials' arguments waiting on
-# their LSE2 loads (short scoreboard: 25.6k samples against flash-attn-4's 1.6k).
+# their LSE2 loads (short scoreboard: 25.6k samples against flash-attn-4's 1.6k). (flash-attn-4's
+# other way, each lane loading 2 of every 64 queries' values and shuffling the rest, was built and
+# measured 1-4% slower at d = 128 and spilled at d = 64, serialising every wgmma: removed, see
+# docs/notes.md.)
 SM90_BWD_PREFETCH_STATS = {(128, False), (128, True)}
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
@@ -182,17 +185,6 @@ class BwdSm90Config(jit.KernelConfig):
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).
     prefetch_stats: bool | None = None
-    # Narrow kernel, tile_m a multiple of 64: each lane loads 2 of every 64 queries' LSE2 / D and
-    # the others come by shuffle (flash-attn-4's ``shuffle_LSE`` at d <= 64). Nsight Compute
-    # (session 11, d = 64 causal 2k): our per-column smem loads sit between the FFMAs and the
-    # exponentials -- 33 LDS per warp and block against flash-attn-4's 4 LDS + 64 SHFL -- and the
-    # MUFUs stall on the MIO queue and on fixed-latency waits (11.1k samples vs 3.7k). 1: D only
-    # (shuffled once every wgmma of the block has completed), 2: LSE2 too (shuffled while dP^T is
-    # in flight). At d = 64 either one spills and serialises the wgmmas (refused); at d = 128
-    # causal 2 spills (refused). 1 goes with ``prefetch_stats`` (LSE2 prefetched, D shuffled).
-    # Measured at d = 128 (one run, N = 2k / 8k): 1-4% slower than smem loads in every
-    # combination (a shuffle costs what the load it replaces did); off.
-    shuffle_stats: int = 0
     # dQ writer warp: issue both warpgroups' reduce-adds, then release each chunk as it is read,
     # instead of waiting for the first chunk's read before taking the second (flash-attn-4's writer).
     dq_writer_batch: bool | None = None
@@ -269,13 +261,6 @@ class BwdSm90Config(jit.KernelConfig):
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         self._resolve_switches(narrow)
-        if self.shuffle_stats and (self.hdim not in (96, 128) or self.tile_m % 64
-                                   or self.shuffle_stats not in (1, 2)
-                                   or (self.prefetch_stats and self.shuffle_stats == 2)):
-            raise ValueError("sm90 backward: shuffle_stats (1 or 2) is for d = 96 / 128 with tile_m 64; "
-                             "2 (LSE2 too) instead of prefetch_stats")
-        if self.shuffle_stats == 2 and (self.causal or self.local or self.softcap):
-            raise ValueError("sm90 backward: shuffle_stats = 2 spills with a mask or softcap (use 1)")
         if self.prefetch_stats and (self.softcap or not narrow):
             # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128); the wide
             # kernel (d >= 192) has its own loop.
@@ -355,8 +340,7 @@ class BwdSm90Config(jit.KernelConfig):
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
         auto = dict(pdl=SM90_BWD_PDL,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
-                    prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow
-                                    and self.shuffle_stats != 2),
+                    prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),

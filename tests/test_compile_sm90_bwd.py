@@ -113,14 +113,6 @@ VARIANTS = [
     for d, dv, c, sc, det, vl in ((192, 192, 1, 0, 0, 0), (192, 192, 0, 0, 0, 1), (256, 256, 1, 0, 0, 0),
                                   (192, 128, 1, 0, 0, 0), (192, 192, 1, 1, 0, 0), (256, 256, 1, 0, 1, 1))
 ] + [
-    # LSE2 / D shared by shuffles (2 loads per 64 queries per lane; session 11).
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=vl, deterministic=det, softcap=sc,
-                  shuffle_stats=mode, prefetch_stats=pf)
-    for d, c, vl, det, sc, mode, pf in ((128, 1, 0, 0, 0, 1, False), (128, 1, 0, 0, 0, 1, True),
-                                        (128, 0, 0, 0, 0, 1, True), (128, 0, 1, 0, 0, 2, False),
-                                        (96, 1, 0, 0, 0, 1, False), (128, 1, 1, 1, 0, 1, False),
-                                        (128, 0, 0, 0, 1, 1, False))
-] + [
     # mbarrier waits that poll instead of sleeping, narrow and wide, with and without split loads.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=det, spin_waits=True, **kw)
     for d, c, det, kw in ((64, True, False, {}), (128, False, False, {}), (128, True, True, {}),
@@ -154,7 +146,6 @@ def _id(cfg: BwdSm90Config) -> str:
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
     flags += ["fa4-order"] if cfg.hdim > 128 and cfg.dq_before_dk else []
-    flags += [f"shuffle{cfg.shuffle_stats}"] if cfg.shuffle_stats else []
     flags += ["stmatrix"] if cfg.tile_m == 80 and cfg.ds_stmatrix else []
     dims = f"d{cfg.hdim}" if cfg.hdim_v == cfg.hdim else f"d{cfg.hdim}-dv{cfg.hdim_v}"
     dims += f"-m{cfg.tile_m}" if cfg.tile_m == 80 else ""
@@ -454,21 +445,6 @@ def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None
     over under dK): every d = 192 / 256 case and (192, 128)."""
     name, value = switch.split("=")
     _check_gradients(case, overrides={name: bool(int(value))})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (96, 128)])
-def test_sm90_bwd_shuffled_statistics_keep_gradients(case: tuple) -> None:
-    """LSE2 / D fetched by shuffle from the lane that loaded them (``shuffle_stats``) on every
-    d = 96 / 128 case: both where that compiles clean (no mask, no softcap), else D alone, with
-    LSE2 prefetched into registers (softcap: read from smem)."""
-    masked = case[5] or case[6] != (-1, -1)
-    if case[7]:
-        overrides = dict(shuffle_stats=1, prefetch_stats=False)
-    else:
-        overrides = dict(shuffle_stats=1, prefetch_stats=True) if masked else dict(shuffle_stats=2)
-    _check_gradients(case, overrides=overrides)
 
 
 @pytest.mark.gpu

@@ -114,7 +114,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         self.det_descending = cfg.det_descending
         self.lpt = cfg.lpt
         self.prefetch_stats = cfg.prefetch_stats
-        self.shuffle_stats = cfg.shuffle_stats
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -506,16 +505,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # into registers while S^T (then dP^T) is in flight, not after its wait, where each
         # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
         lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
-        if cutlass.const_expr(self.shuffle_stats >= 2):
-            lse2 = self.stats_shared_regs(ctx.smem.sLSE2[None, s])
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
         dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None
-        if cutlass.const_expr(self.shuffle_stats):
-            dsum = self.stats_shared_regs(ctx.smem.sDsum[None, s])
         warpgroup.wait_group(0)
         self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -552,11 +547,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=-1)
             wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
                     zero_init=False, wg_wait=1)
-            if cutlass.const_expr(self.split_loads):
-                pipes.do.consumer_release(state)  # dV (its last reader) is done; dK still reads Q
-            self.store_dq(ctx, acc_dQ, head, m_block)
-            warpgroup.wait_group(0)
-            pipes.q.consumer_release(state)
+            self.store_dq_under_dk(ctx, pipes, state, state, acc_dQ, head, m_block)
         else:
             self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=0)
             # Every GEMM of this block is done: Q and dO may be overwritten (dS once both warpgroups
@@ -565,6 +556,17 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             if cutlass.const_expr(self.split_loads):
                 pipes.do.consumer_release(state)
             self.store_dq(ctx, acc_dQ, head, m_block)
+
+    @cute.jit
+    def store_dq_under_dk(self, ctx, pipes, q_state, do_state, acc_dQ, head: Int32, m_block: Int32):
+        """``dq_before_dk``, once dQ has completed and dK (issued last) still runs: dO's stage goes
+        back (dV, its last reader, is done), dQ leaves for its accumulator under dK, then Q's
+        stage once dK completes."""
+        if cutlass.const_expr(self.split_loads):
+            pipes.do.consumer_release(do_state)
+        self.store_dq(ctx, acc_dQ, head, m_block)
+        warpgroup.wait_group(0)
+        pipes.q.consumer_release(q_state)
 
     @cute.jit
     def mask_bounds(self, ctx, m_block: Int32):
@@ -598,33 +600,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             regs[c] = sStat[ctx.tScS[0, c][1]]
         return regs
 
-    def stats_shared_regs(self, sStat):
-        """``shuffle_stats``: this lane's share of a query block's statistics -- 2 per 64 queries
-        (flash-attn-4's ``shuffle_LSE``). The S^T accumulator gives every lane of a quad position q
-        the same query columns 8 j + 2 q + {0, 1}; lane (g, q) of the warp loads them for the
-        column groups j = g (mod 8), and ``stat_at`` fetches the others by shuffle: 2 + 2 registers
-        at d = 128 instead of 16 + 16 (``prefetch_stats``), 2 + 2 smem loads per block instead of
-        16 + 16. (Measured 1-4% slower than the loads: a shuffle costs what the load did.)"""
-        lane = cute.arch.lane_idx()
-        g, q = lane // 4, lane % 4
-        per = self.tile_m // 64
-        regs = cute.make_rmem_tensor(2 * per, Float32)
-        for k in range(per):  # (a plain helper: unrolled as it is traced)
-            i0 = 8 * (g + 8 * k) + 2 * q
-            regs[2 * k] = sStat[i0]
-            regs[2 * k + 1] = sStat[i0 + 1]
-        return regs
-
     def stat_at(self, ctx, sStat, regs, c: int) -> Float32:
-        """The statistic of accumulator column ``c`` (query 8 j + 2 q + b, c = 2 j + b): from smem,
-        from ``prefetch_stats``' registers, or (``shuffle_stats``) from the lane that loaded it."""
+        """The statistic (LSE2 or D) of accumulator column ``c``: from smem, or from
+        ``prefetch_stats``' registers."""
         if cutlass.const_expr(regs is None):
             return sStat[ctx.tScS[0, c][1]]
-        if cutlass.const_expr(not self.shuffle_stats or cute.size(regs) > 2 * (self.tile_m // 64)):
-            return regs[c]  # (prefetched, or already shuffled into one register per column)
-        j, b = c // 2, c % 2
-        src = (j % 8) * 4 + cute.arch.lane_idx() % 4
-        return cute.arch.shuffle_sync(regs[(j // 8) * 2 + b], offset=src)
+        return regs[c]
 
     @cute.jit
     def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
@@ -633,13 +614,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
         dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
-        if cutlass.const_expr(self.shuffle_stats >= 2):
-            # Shuffled before the mask's branch: shfl.sync inside it would need the warp converged
-            # there, and ptxas then serialises every wgmma (32 waits instead of 4).
-            lse2_all = cute.make_rmem_tensor(cute.size(acc, mode=[1]), Float32)
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2_all[c] = self.stat_at(ctx, sLSE2, lse2_regs, c)
-            lse2_regs = lse2_all
         bounds = self.mask_bounds(ctx, m_block)
         # Only edge blocks (diagonal / window band, the partial last K/V block) pay for the mask:
         # at d = 64 its compare-and-select is a quarter of the loop body's instructions.

@@ -124,11 +124,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=-1)
             wg_gemm(self.mma_dkv, ctx.acc_dK, ctx.tdKrQt[None, None, None, s], ctx.tdKrdSt, zero_init=False,
                     wg_wait=1)
-            if cutlass.const_expr(self.split_loads):
-                pipes.do.consumer_release(dos)  # dV (its last reader) is done; dK still reads Q
-            self.store_dq(ctx, acc_dQ, head, m_block)
-            warpgroup.wait_group(0)
-            pipes.q.consumer_release(state)
+            self.store_dq_under_dk(ctx, pipes, state, dos, acc_dQ, head, m_block)
         else:
             warpgroup.wait_group(0)
             self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
