@@ -11,5 +11,9 @@ for who in ours fa4; do
     python scripts/ncu_bwd.py "$who" "$d" "$n" "$c" > "/tmp/${who}_d${d}_run.log" 2>&1
   echo "== ncu $who rc=$?"; tail -3 "/tmp/${who}_d${d}_run.log"
   ncu --import "$OUT/${who}_d${d}.ncu-rep" --page details > "$OUT/${who}_d${d}.txt" 2>&1
+  # Per-instruction stall samples and raw counters, for reading on a machine without ncu.
+  ncu --import "$OUT/${who}_d${d}.ncu-rep" --page source --csv --print-source sass > "$OUT/${who}_d${d}_src.csv" 2>&1
+  ncu --import "$OUT/${who}_d${d}.ncu-rep" --page raw --csv > "$OUT/${who}_d${d}_raw.csv" 2>&1
+  [ -n "${NCU_KEEP_REP:-}" ] || rm -f "$OUT/${who}_d${d}.ncu-rep"
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Shared Memory Configuration Size|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps|L2 Hit Rate|Executed Ipc Active|Warp Cycles Per Issued" "$OUT/${who}_d${d}.txt" | head -20
 done
