@@ -81,6 +81,13 @@ SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
 # measured 1-4% slower at d = 128 and spilled at d = 64, serialising every wgmma: removed, see
 # docs/notes.md.)
 SM90_BWD_PREFETCH_STATS = {(128, False), (128, True)}
+# The wide kernel (d >= 192), session 12: Nsight Compute at d = 192 causal 8k put 6.3k samples
+# (2.3%) on the exponentials' first FFMAs waiting for their LSE2 loads (short scoreboard;
+# flash-attn-4 ~0.4k). Its rows are queries, so the prefetch is 2 LSE2 + 2 D registers per
+# thread. One run, TFLOP/s, N = 2k / 8k, non-causal | causal: d = 192 431 -> 434, 480 -> 489 |
+# 370 -> 377, 456 -> 464; d = 256 400 -> 405, 431 -> 436 | 355 -> 364, 424 -> 446; (192, 128)
+# 418 -> 415, 457 -> 463 | 348 -> 354, 428 -> 446. On.
+SM90_BWD_WIDE_PREFETCH_STATS = True
 SM90_BWD_DQ_WRITER_BATCH = {(128, False), (128, True), (64, False)}
 SM90_BWD_DKV_STMATRIX = {(128, False), (128, True), (64, False)}
 # (The wide kernel's transposing dK^T / dV^T stmatrix, session 11, beside stmatrix P / dS: d = 192
@@ -269,10 +276,10 @@ class BwdSm90Config(jit.KernelConfig):
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         self._resolve_switches(narrow)
-        if self.prefetch_stats and (self.softcap or not narrow):
-            # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128); the wide
-            # kernel (d >= 192) has its own loop.
-            raise ValueError("sm90 backward: prefetch_stats is for the narrow kernel without softcap")
+        if self.prefetch_stats and self.softcap and narrow:
+            # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128). (The
+            # wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
+            raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.lpt and (self.varlen or self.deterministic):
@@ -294,9 +301,8 @@ class BwdSm90Config(jit.KernelConfig):
         if self.smem_bytes() > SM90_SMEM_BYTES:
             raise ValueError(f"sm90 backward: {self.smem_bytes()} bytes of smem per CTA (at most "
                              f"{SM90_SMEM_BYTES}); fewer stages or no dQ writer warp")
-        if self.hdim > 128 and (self.ds_stages != 1 or self.prefetch_stats):
-            raise ValueError("sm90 backward: ds_stages / prefetch_stats are narrow-kernel (d <= 128) "
-                             "switches")
+        if self.hdim > 128 and self.ds_stages != 1:
+            raise ValueError("sm90 backward: ds_stages is a narrow-kernel (d <= 128) switch")
         if self.do_stages and self.do_stages != self.stages and not (
                 not narrow and self.split_loads and 1 <= self.do_stages < self.stages):
             raise ValueError("sm90 backward: do_stages (fewer than stages) is for the wide kernel with "
@@ -351,7 +357,8 @@ class BwdSm90Config(jit.KernelConfig):
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
         auto = dict(pdl=SM90_BWD_PDL,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
-                    prefetch_stats=key in SM90_BWD_PREFETCH_STATS and not self.softcap and narrow,
+                    prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap) if narrow
+                    else SM90_BWD_WIDE_PREFETCH_STATS,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),

@@ -1,7 +1,7 @@
 """One backward pass of ours or flash-attn-4's, for Nsight Compute (developer tool): a few warm
 passes so ``ncu --launch-skip`` lands on a warm main kernel.
 
-    ncu --clock-control none -k regex:'FlashBwdSm90_object|FlashAttentionBackwardSm90' \\
+    ncu --clock-control none -k regex:'FlashBwdSm90(Wide)?_object|FlashAttentionBackwardSm90' \\
         --launch-skip 2 --launch-count 1 --set full -o ours python scripts/ncu_bwd.py ours 64 2048 1
 """
 

@@ -5,8 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 d=${1:-64}; n=${2:-2048}; c=${3:-1}
-for who in ours fa4; do
-  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k regex:'FlashBwdSm90_object|FlashAttentionBackwardSm90' \
+for who in ${NCU_WHO:-ours fa4}; do
+  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k regex:'FlashBwdSm90(Wide)?_object|FlashAttentionBackwardSm90' \
     --launch-skip 2 --launch-count 1 --set full -f -o "$OUT/${who}_d${d}" \
     python scripts/ncu_bwd.py "$who" "$d" "$n" "$c" > "/tmp/${who}_d${d}_run.log" 2>&1
   echo "== ncu $who rc=$?"; tail -3 "/tmp/${who}_d${d}_run.log"

@@ -46,10 +46,11 @@ VARIANTS = [
     for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
                            (256, True, True, True), (96, True, False, True), (192, False, True, True))
 ] + [
-    # LSE2 / D read into registers under the S^T / dP^T wgmmas (default only at d = 128 non-causal).
+    # LSE2 / D read into registers under the S^T / dP^T wgmmas (narrow kernel: default at d = 128),
+    # or under S / dP (wide kernel: 2 + 2 per thread, softcap included).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
     for d, c, sc in ((64, False, False), (64, True, False), (128, False, False), (128, True, False),
-                     (96, True, False))
+                     (96, True, False), (192, True, False), (192, False, True), (256, True, False))
 ] + [
     # The dQ writer issuing both warpgroups' reduce-adds before waiting (default at d = 128, d = 64
     # non-causal).
@@ -460,11 +461,13 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
                          + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
-@pytest.mark.parametrize("switch", ["ds_stmatrix=0", "dkv_stmatrix=1", "dq_before_dk=1", "dq_before_dk=0"])
+@pytest.mark.parametrize("switch", ["ds_stmatrix=0", "dkv_stmatrix=1", "dq_before_dk=1", "dq_before_dk=0",
+                                    "prefetch_stats=0"])
 def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None:
     """The wide kernel with P and dS by 2-byte stores, dK^T / dV^T by (transposing) stmatrix, with
     and without flash-attn-4's order (P stored under the dP GEMM, dV under the dS store, dQ handed
-    over under dK): every d = 192 / 256 case and (192, 128)."""
+    over under dK), the statistics read from smem where used: every d = 192 / 256 case and
+    (192, 128)."""
     name, value = switch.split("=")
     _check_gradients(case, overrides={name: bool(int(value))})
 

@@ -99,11 +99,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         dos = do_state if cutlass.const_expr(self.separate_do) else state
         sd = dos.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
+        # ``prefetch_stats``: this thread's rows' LSE2 read while S is in flight, D while dP is (just
+        # before its wait: any earlier, d = 192 causal spills 8 bytes).
+        lse2 = self.row_stats(ctx, acc_S, ctx.smem.sLSE2[None, s])
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, dos, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, sd], ctx.tdPrV, zero_init=True, wg_wait=1)
-        dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block)
+        dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         if cutlass.const_expr(self.dq_before_dk):
@@ -111,8 +114,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             # stored, and dQ is handed over while dK runs.
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
             self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
+            dsum = self.row_stats(ctx, acc_S, ctx.smem.sDsum[None, sd])
             warpgroup.wait_group(0)
-            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
+            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
             cute.arch.barrier(barrier_id=BAR_P_FULL, number_of_threads=self.num_mma_threads)
             self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
@@ -126,8 +130,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                     wg_wait=1)
             self.store_dq_under_dk(ctx, pipes, state, dos, acc_dQ, head, m_block)
         else:
+            dsum = self.row_stats(ctx, acc_S, ctx.smem.sDsum[None, sd])
             warpgroup.wait_group(0)
-            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd])
+            self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
             self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
             self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
@@ -169,7 +174,25 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                     tRSsdS=thr.partition_D(smem.sdS))
 
     @cute.jit
-    def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32):
+    def row_stats(self, ctx, acc_S, sStat):
+        """``prefetch_stats``: this thread's per-query statistics (LSE2 or D), one per accumulator
+        row (2 per thread), else None (read where used)."""
+        regs = None
+        if cutlass.const_expr(self.prefetch_stats):
+            nrows = cute.size(acc_to_mn(acc_S), mode=[0])
+            regs = cute.make_rmem_tensor(nrows, Float32)
+            for r in cutlass.range_constexpr(nrows):
+                regs[r] = sStat[ctx.tScS[r, 0][0]]
+        return regs
+
+    def row_stat(self, ctx, sStat, regs, r: int) -> Float32:
+        """The statistic of accumulator row ``r``: prefetched, or read from smem now."""
+        if cutlass.const_expr(regs is None):
+            return sStat[ctx.tScS[r, 0][0]]
+        return regs[r]
+
+    @cute.jit
+    def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
         """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
         queries here; same bounds as ``FlashBwdSm90.probs``); softcap: of tanh(S * score_scale),
         returning 1 - tanh^2 (fp16, as the narrow kernel) for the chain rule, else None."""
@@ -178,23 +201,23 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         bounds = self.mask_bounds(ctx, m_block)
         if self.block_needs_mask(bounds):  # edge blocks only (see ``FlashBwdSm90.probs``)
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = sLSE2[ctx.tScS[r, 0][0]]
+                lse2 = self.row_stat(ctx, sLSE2, lse2_regs, r)
                 for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     query, key = ctx.tScS[r, c]
                     acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = sLSE2[ctx.tScS[r, 0][0]]
+                lse2 = self.row_stat(ctx, sLSE2, lse2_regs, r)
                 for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
 
     @cute.jit
-    def dscores_rows(self, ctx, acc_S, acc_dP, dtanh, sDsum):
+    def dscores_rows(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):
         """dS = P (dP - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p, dp = acc_to_mn(acc_S), acc_to_mn(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-            dsum = sDsum[ctx.tScS[r, 0][0]]
+            dsum = self.row_stat(ctx, sDsum, dsum_regs, r)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         self.softcap_grad(acc_dP, dtanh)
