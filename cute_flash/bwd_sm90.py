@@ -122,7 +122,6 @@ SM90_BWD_DO_STAGES = {192: 1}
 # (192, 128): 412 -> 401, 462 -> 447, causal 334 -> 345, 433 -> 413. Off at both.
 SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
-SM90_BWD_DKV_TMA = False
 SM90_BWD_PERSISTENT = False
 SM90_NUM_SMS_DEFAULT = 132
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
@@ -234,13 +233,6 @@ class BwdSm90Config(jit.KernelConfig):
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
     # tile the query block).
     pre_threads: int = 0
-    # dK / dV leave the staged smem tiles by two TMA bulk stores (one thread) instead of 16-byte row
-    # stores from every consumer thread: the CTA then retires once the stores have *read* smem,
-    # not once every thread's global stores have drained (Nsight Compute: 2.1% of our d = 64
-    # samples stalled on drain at exit, flash-attn-4's TMA-store epilogue 0.4%). Fixed-length
-    # batches only (a packed batch's box would reach the next sequence's rows). None =
-    # ``SM90_BWD_DKV_TMA``.
-    dkv_tma: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -319,9 +311,6 @@ class BwdSm90Config(jit.KernelConfig):
             # (The 2-byte smem stores' index math, carried across tiles, spills 224-440 bytes.)
             raise ValueError("sm90 backward: the persistent grid takes the dS-staged (dkv_via_ds) or the "
                              "stmatrix dK / dV epilogue")
-        if self.dkv_tma and (self.varlen or self.persistent or self.dkv_via_ds):
-            raise ValueError("sm90 backward: dkv_tma stores from sK / sV of fixed-length batches, one tile "
-                             "per CTA (not varlen, the persistent grid or dkv_via_ds)")
         if self.dkv_via_ds and not narrow:
             raise ValueError("sm90 backward: dkv_via_ds is a narrow-kernel (d <= 128) epilogue")
         if self.persistent and not self.num_ctas:
@@ -368,8 +357,6 @@ class BwdSm90Config(jit.KernelConfig):
         auto["persistent"] = SM90_BWD_PERSISTENT and persistent_ok
         persistent = auto["persistent"] if self.persistent is None else self.persistent
         auto["dkv_via_ds"] = narrow and (SM90_BWD_DKV_VIA_DS or bool(persistent))
-        via_ds = auto["dkv_via_ds"] if self.dkv_via_ds is None else self.dkv_via_ds
-        auto["dkv_tma"] = SM90_BWD_DKV_TMA and not (self.varlen or persistent or via_ds)
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

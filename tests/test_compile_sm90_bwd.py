@@ -131,15 +131,6 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
     for d in (64, 128)
-] + [
-    # dK / dV out of sK / sV by TMA bulk stores (session 12), behind every staging of the tiles:
-    # 2-byte stores, stmatrix, transposing stmatrix (wide), deterministic mode, d_v != d.
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, deterministic=det, dkv_tma=True,
-                  **kw)
-    for d, dv, c, det, kw in ((64, 64, True, False, {}), (64, 64, False, False, {}),
-                              (96, 96, True, False, {}), (128, 128, False, False, dict(dkv_stmatrix=False)),
-                              (128, 128, True, True, {}), (192, 192, True, False, {}),
-                              (192, 128, False, False, {}), (256, 256, True, False, dict(dkv_stmatrix=True)))
 ]
 
 
@@ -150,7 +141,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "dkv_tma")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -208,10 +199,6 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
         assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
-        if cfg.dkv_tma:  # dK / dV by TMA store: no 16-byte row stores from the consumers
-            assert "UTMASTG" in sass and not re.search(r"\bSTG\.E\.128\b", sass)
-        else:
-            assert "UTMASTG" not in sass and re.search(r"\bSTG\.E\.128\b", sass)
         if cfg.ds_stmatrix and cfg.tile_m == 80:  # dS^T: 20 single-tile stmatrix.trans
             assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
         elif cfg.ds_stmatrix and cfg.hdim > 128:  # P and dS: stmatrix.x4 (not transposed)
@@ -283,15 +270,6 @@ def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
         BwdSm90Config(target="sm_90a", num_ctas=8)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=256, dkv_via_ds=True)
-
-
-def test_sm90_bwd_dkv_tma_refuses_packed_batches_and_the_persistent_grid() -> None:
-    """A TMA box of a packed batch would write into the next sequence's dK / dV rows, and the
-    persistent grid reuses sK / sV while the stores may still read them."""
-    for kw in (dict(varlen=True), dict(persistent=True), dict(dkv_via_ds=True)):
-        with pytest.raises(ValueError):
-            BwdSm90Config(target="sm_90a", hdim=64, dkv_tma=True, **kw)
-    assert not BwdSm90Config(target="sm_90a", hdim=64, varlen=True).dkv_tma
 
 
 def test_sm90_bwd_do_stages_only_below_q_stages_in_the_wide_kernel_with_split_loads() -> None:
@@ -470,15 +448,6 @@ def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None
     (192, 128)."""
     name, value = switch.split("=")
     _check_gradients(case, overrides={name: bool(int(value))})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", GPU_CASES + [UNSEEN_KEYS_CASE, (*GPU_CASES[3][:8], (192, 128))])
-def test_sm90_bwd_dkv_by_tma_store_keeps_gradients(case: tuple) -> None:
-    """dK / dV stored by TMA from sK / sV: every case (unequal lengths: the last key block's rows
-    past the keys must be clipped, not written; GQA; key blocks no query sees)."""
-    _check_gradients(case, overrides=dict(dkv_tma=True))
 
 
 @pytest.mark.gpu

@@ -212,11 +212,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                                                       (self.tile_m, self.hdim_v))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
-        tma_dK = tma_dV = None
-        if cutlass.const_expr(self.cfg.dkv_tma):
-            s2g = cpasync.CopyBulkTensorTileS2GOp()
-            tma_dK, mdK = cpasync.make_tiled_tma_atom(s2g, mdK, self.sK_layout, (self.tile_n, self.hdim))
-            tma_dV, mdV = cpasync.make_tiled_tma_atom(s2g, mdV, self.sV_layout, (self.tile_n, self.hdim_v))
         num_batch, seqlen_k = common.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         if cutlass.const_expr(self.cfg.persistent):
@@ -224,8 +219,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSemaphore, tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, scales, window_left,
-                    window_right, Storage).launch(
+                    mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right,
+                    Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
             # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
             # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
@@ -239,9 +234,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSemaphore: cute.Tensor | None, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom,
-               tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_dK: cute.CopyAtom | None,
-               tma_dV: cute.CopyAtom | None, scales: tuple, window_left: Int32, window_right: Int32,
-               Storage: cutlass.Constexpr):
+               tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32,
+               window_right: Int32, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -319,7 +313,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                     # (Deterministic mode's semaphores and the consumers' own dQ reductions.)
                     self.wait_for_preprocess()
                     ctx = self.consumer_setup(mLSE2, mD, mdQaccum, smem, scales, args)
-                    ctx.tma_dK, ctx.tma_dV = tma_dK, tma_dV
                     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                             2 if self.split_loads else 1)
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)

@@ -13,7 +13,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
-from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.ampere import common
@@ -64,7 +63,6 @@ class BwdEpilogue:
                 for j in cutlass.range_constexpr(cute.size(acc)):
                     r[j] = (acc[j] * scale).to(self.dtype)
                 cute.copy(r2s, r2s.retile(r), r2s.partition_D(transpose_smem(sT) if transposed else sT))
-            self.publish_dkv()
             cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
             self.store_dkv_rows(ctx, tuple((mT, sT, width) for mT, _, _, width, sT in rnd))
             if cutlass.const_expr(i + 1 < len(rounds) or (self.cfg.persistent and self.cfg.dkv_via_ds)):
@@ -86,53 +84,13 @@ class BwdEpilogue:
                     sT[b, a] = (acc[i] * scale).to(self.dtype)
                 else:
                     sT[a, b] = (acc[i] * scale).to(self.dtype)
-        self.publish_dkv()
         cute.arch.barrier(barrier_id=self.epilogue_barrier, number_of_threads=self.num_mma_threads)
         self.store_dkv_rows(ctx, ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)))
 
     @cute.jit
     def store_dkv_rows(self, ctx, parts: tuple):
         """(global tensor, smem tile, width) each: 16-byte row stores of this K/V block's rows that
-        exist, or (``dkv_tma``) one TMA bulk store per tile."""
-        if cutlass.const_expr(self.cfg.dkv_tma):
-            self.store_dkv_tma(ctx, parts)
-        else:
-            self.store_dkv_threads(ctx, parts)
-
-    def publish_dkv(self):
-        """Called by every thread that wrote the staged tiles, before the barrier after which they
-        are read: TMA reads smem through the async proxy, which does not see the threads' generic
-        stores without this fence."""
-        if cutlass.const_expr(self.cfg.dkv_tma):
-            cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def store_dkv_tma(self, ctx, parts: tuple):
-        """``dkv_tma``: the first consumer warp stores both tiles by TMA (rows past the keys are
-        clipped at the tensor's bound) and waits only until they have been read out of smem."""
-        one = cute.make_layout(1)
-        # (Both tiles at once: dkv_tma excludes dkv_via_ds, the one epilogue that stages them one
-        # after the other.)
-        copies = []
-        for (mT, sT, width), tma in zip(parts, (ctx.tma_dK, ctx.tma_dV), strict=True):
-            gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
-                                 (ctx.n_block, 0))
-            copies.append((tma, *cpasync.tma_partition(tma, 0, one, cute.group_modes(sT, 0, 2),
-                                                       cute.group_modes(gT, 0, 2))))
-        self.issue_dkv_tma(copies[0], copies[1])
-
-    @cute.jit
-    def issue_dkv_tma(self, dk_copy: tuple, dv_copy: tuple):
-        """The first consumer warp issues both stores, then waits for their smem reads only."""
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-            for tma, tS, tG in (dk_copy, dv_copy):
-                cute.copy(tma, tS, tG)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def store_dkv_threads(self, ctx, parts: tuple):
-        """Every consumer thread stores 16-byte pieces of whole rows, rows past the keys dropped."""
+        exist."""
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, sT, width in parts:
             copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
