@@ -123,6 +123,11 @@ SM90_BWD_DO_STAGES = {192: 1}
 SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
+# Session 12 (``tune_bwd_sm90.py``, causal, TFLOP/s, default -> even sections where the last one
+# is short): d = 128 8k 538 -> 571 and 559 -> 589 (16 heads in 5s: 5 + 5 + 5 + 1 -> 4 x 4), d = 192
+# 8k 444 -> 461, 450 -> 474 (10 in 3s); but d = 128 4k 546 -> 515 twice, where the rule keeps the
+# same walk (10 + 6) -- so part of what moves is the kernel's code, not the order. Unexplained: off.
+SM90_BWD_LPT_BALANCED = False
 SM90_NUM_SMS_DEFAULT = 132
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
 # (session 9 profile); 256 measured within noise at d = 64 / 128 causal 2k / 4k (session 10).
@@ -188,6 +193,10 @@ class BwdSm90Config(jit.KernelConfig):
     # head's key block n of a group runs before any n + 1, so a group's rows must stay in L2
     # for the ~5 waves it spans; smaller groups trade that for more group boundaries).
     lpt_l2_mib: int = 0
+    # ``lpt`` with the heads split into sections of even size (``balanced_section_order``) where
+    # the last full-size split would leave a section of fewer than half a section's heads.
+    # None = ``SM90_BWD_LPT_BALANCED``.
+    lpt_balanced: bool | None = None
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).
@@ -344,7 +353,7 @@ class BwdSm90Config(jit.KernelConfig):
         # (The 80-row tile keeps its own measured schedule: none of these were timed with it.)
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
-        auto = dict(pdl=SM90_BWD_PDL,
+        auto = dict(pdl=SM90_BWD_PDL, lpt_balanced=SM90_BWD_LPT_BALANCED,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap) if narrow
                     else SM90_BWD_WIDE_PREFETCH_STATS,

@@ -127,6 +127,9 @@ VARIANTS = [
                            (128, "causal", False, True), (128, "local", False, True),
                            (96, "causal", False, True), (128, "causal", True, False))
 ] + [
+    # The longest-first walk over evenly sized head sections (session 12).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, lpt_balanced=True) for d in (64, 192)
+] + [
     # The persistent grid with the stmatrix epilogue through sK / sV (K / V released after it).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
@@ -141,7 +144,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -448,6 +451,18 @@ def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None
     (192, 128)."""
     name, value = switch.split("=")
     _check_gradients(case, overrides={name: bool(int(value))})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case,l2_mib", [((2, 600, 700, 7, 7, True, (-1, -1), 0.0, 64), 1),
+                                         ((1, 300, 300, 7, 7, True, (-1, -1), 0.0, 128), 1),
+                                         ((1, 400, 500, 7, 7, True, (-1, -1), 0.0, 192), 2)])
+def test_sm90_bwd_balanced_longest_first_sections_keep_gradients(case: tuple, l2_mib: int) -> None:
+    """The causal grid walked over evenly sized head sections, with an L2 budget small enough for
+    sections of at most 3 heads: 7 heads as 3 + 2 + 2 (the plain walk: 3 + 3 + 1). Every tile
+    once, gradients by the usual rule."""
+    _check_gradients(case, overrides=dict(lpt_balanced=True, lpt_l2_mib=l2_mib))
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cute_flash.kernels.tile_scheduler import section_order
+from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order
 
 
 @pytest.mark.parametrize("num_m,num_head,num_batch,group",
@@ -30,3 +30,28 @@ def test_section_order_keeps_a_section_of_heads_together_and_walks_m_blocks_in_o
 def test_one_head_per_section_is_the_plain_grid_order():
     order = [section_order(i, 3, 2, 4, 1) for i in range(12)]
     assert order == [(m, h, b) for b in range(2) for h in range(2) for m in range(3)]
+
+
+@pytest.mark.parametrize("num_m,num_head,num_batch,group",
+                         [(1, 1, 1, 1), (86, 10, 1, 3), (64, 16, 1, 5), (7, 3, 2, 4), (5, 7, 2, 3),
+                          (9, 32, 1, 10), (3, 5, 3, 15), (4, 6, 1, 6)])
+def test_balanced_sections_visit_every_tile_once(num_m, num_head, num_batch, group):
+    num_hb = num_head * num_batch
+    seen = [balanced_section_order(i, num_m, num_head, num_hb, group) for i in range(num_m * num_hb)]
+    assert sorted(seen) == sorted(itertools.product(range(num_m), range(num_head), range(num_batch)))
+
+
+@pytest.mark.parametrize("num_head,group,sizes", [(16, 5, [4, 4, 4, 4]), (10, 3, [3, 3, 2, 2]),
+                                                  (32, 10, [8, 8, 8, 8]), (6, 6, [6]), (7, 2, [2, 2, 2, 1])])
+def test_balanced_sections_differ_by_at_most_one_head_and_walk_blocks_in_order(num_head, group, sizes):
+    """No short last section (16 heads in sections of at most 5: 4 x 4, not 5 + 5 + 5 + 1); inside
+    a section every head's block m comes before any block m + 1."""
+    num_m = 3
+    order = [balanced_section_order(i, num_m, num_head, num_head, group)[:2] for i in range(num_m * num_head)]
+    start = 0
+    for size in sizes:
+        chunk = order[start:start + size * num_m]
+        assert [m for m, _ in chunk] == [m for m in range(num_m) for _ in range(size)]
+        assert sorted({h for _, h in chunk}) == list(range(start // num_m, start // num_m + size))
+        start += size * num_m
+    assert start == len(order)

@@ -12,7 +12,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.tile_scheduler import section_order
+from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order
 
 # L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take
 # (``BwdSm90Config.lpt_l2_mib`` overrides it).
@@ -224,11 +224,16 @@ class BwdProducer:
         rows_in_l2 = Int32(self.lpt_l2_bytes() // (self.hdim * 8))
         group = cutlass.max(cutlass.min(rows_in_l2 // q_rows_per_kv_head, num_h), 1)
         lin = x + num_n * y
-        g = lin // (num_n * group)
-        rest = lin - g * num_n * group
-        in_group = cutlass.min(group, num_h - g * group)
-        n_block = rest // in_group
-        return n_block, g * group + rest - n_block * in_group
+        n_block, head, _ = section_order(lin, num_n, num_h, num_h, group)
+        if cutlass.const_expr(self.cfg.lpt_balanced):
+            # A last section of fewer than half a section's heads (16 heads in 5s: 5 + 5 + 5 + 1)
+            # starts its longest CTAs at the grid's end: split the heads evenly then (4 x 4).
+            rem = num_h - (num_h // group) * group
+            short = rem > 0 and rem * 2 < group
+            n_even, head_even, _ = balanced_section_order(lin, num_n, num_h, num_h, group)
+            n_block = cutlass.select_(short, n_even, n_block)
+            head = cutlass.select_(short, head_even, head)
+        return n_block, head
 
     @cute.jit
     def load_head(self, mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head,

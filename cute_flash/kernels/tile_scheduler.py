@@ -85,3 +85,25 @@ def section_order(idx, num_m, num_head, num_hb, group):
     hb = section * group + (in_section - m * heads_here)
     batch = hb // num_head
     return m, hb - batch * num_head, batch
+
+
+def balanced_section_order(idx, num_m, num_head, num_hb, max_group):
+    """``section_order`` with the (batch, head) pairs split into ceil(num_hb / max_group) sections
+    whose sizes differ by at most one, instead of full sections and a short last one: in a causal
+    backward the last section's longest tiles start last, so a 1-head remainder (16 heads in
+    sections of 5, 10 in sections of 3) left its key block 0 running alone at the grid's end.
+    Branch-free integer arithmetic (min / max), for the kernel's Int32 and the CPU tests' int."""
+    sections = (num_hb + max_group - 1) // max_group
+    base = num_hb // sections  # >= 1
+    extra = num_hb - base * sections  # the first ``extra`` sections hold base + 1 pairs
+    big, small = (base + 1) * num_m, base * num_m
+    g_big = cutlass.min(idx // big, extra)
+    is_small = cutlass.max(g_big - extra + 1, 0)  # 1 past the big sections, else 0
+    rest = idx - g_big * big
+    g_small = (rest // small) * is_small
+    rest = rest - g_small * small
+    size = base + 1 - is_small
+    m = rest // size
+    hb = g_big * (base + 1) + g_small * base + (rest - m * size)
+    batch = hb // num_head
+    return m, hb - batch * num_head, batch
