@@ -123,11 +123,15 @@ SM90_BWD_DO_STAGES = {192: 1}
 SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
 SM90_BWD_PERSISTENT = False
-# Session 12 (``tune_bwd_sm90.py``, causal, TFLOP/s, default -> even sections where the last one
-# is short): d = 128 8k 538 -> 571 and 559 -> 589 (16 heads in 5s: 5 + 5 + 5 + 1 -> 4 x 4), d = 192
-# 8k 444 -> 461, 450 -> 474 (10 in 3s); but d = 128 4k 546 -> 515 twice, where the rule keeps the
-# same walk (10 + 6) -- so part of what moves is the kernel's code, not the order. Unexplained: off.
-SM90_BWD_LPT_BALANCED = False
+# Longest-first walk (``lpt``, causal): L2 budget of one section of heads (Q, dO, dQ accumulator).
+SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
+# Session 12 (``tune_bwd_sm90.py``, causal, TFLOP/s, full sections -> even ones): d = 128 8k
+# 538 -> 571, 559 -> 589 (16 heads in 5s: 5 + 5 + 5 + 1 -> 4 x 4); d = 192 8k 444 -> 461,
+# 450 -> 474, 439 -> 459 (10 heads in 3s: 3 + 3 + 3 + 1 -> 3 + 3 + 2 + 2); d = 64 8k (10 + 10 + 10
+# + 2) 481 -> 483. A kernel that chose at run time (both walks compiled in) ran d = 128 4k, whose
+# walk it left alone (10 + 6), at 546 -> 515, 549 -> 515, 518 -> 505: so the launcher chooses and
+# the kernel compiles one walk.
+SM90_BWD_LPT_BALANCED = True
 SM90_NUM_SMS_DEFAULT = 132
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
 # (session 9 profile); 256 measured within noise at d = 64 / 128 causal 2k / 4k (session 10).
@@ -193,10 +197,10 @@ class BwdSm90Config(jit.KernelConfig):
     # head's key block n of a group runs before any n + 1, so a group's rows must stay in L2
     # for the ~5 waves it spans; smaller groups trade that for more group boundaries).
     lpt_l2_mib: int = 0
-    # ``lpt`` with the heads split into sections of even size (``balanced_section_order``) where
-    # the last full-size split would leave a section of fewer than half a section's heads.
-    # None = ``SM90_BWD_LPT_BALANCED``.
-    lpt_balanced: bool | None = None
+    # ``lpt`` over head sections of even size (``balanced_section_order``) instead of full ones and
+    # a short last one. ``run_bwd_sm90`` turns it on where the last section would hold fewer than
+    # half a section's heads (``lpt_last_section_short``; ``SM90_BWD_LPT_BALANCED``).
+    lpt_balanced: bool = False
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).
@@ -353,7 +357,7 @@ class BwdSm90Config(jit.KernelConfig):
         # (The 80-row tile keeps its own measured schedule: none of these were timed with it.)
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
-        auto = dict(pdl=SM90_BWD_PDL, lpt_balanced=SM90_BWD_LPT_BALANCED,
+        auto = dict(pdl=SM90_BWD_PDL,
                     post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
                     prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap) if narrow
                     else SM90_BWD_WIDE_PREFETCH_STATS,
@@ -369,6 +373,16 @@ class BwdSm90Config(jit.KernelConfig):
         for name, value in auto.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+
+    def lpt_l2_bytes(self) -> int:
+        return self.lpt_l2_mib * 1024 * 1024 if self.lpt_l2_mib else SM90_BWD_LPT_L2_BYTES
+
+    def lpt_last_section_short(self, q_rows_per_kv_head: int, kv_heads: int) -> bool:
+        """Whether ``lpt``'s full sections of heads (as many as fit ``lpt_l2_bytes``, the kernel's
+        ``longest_first``) leave a last one of fewer than half as many heads."""
+        group = max(min(self.lpt_l2_bytes() // (self.hdim * 8) // max(q_rows_per_kv_head, 1), kv_heads), 1)
+        rem = kv_heads % group
+        return 0 < 2 * rem < group
 
     def smem_bytes(self) -> int:
         """Shared memory of the main kernel (tiles 1 KiB aligned, as its storage struct)."""
@@ -447,6 +461,9 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                         **(overrides or {}))
     if cfg.persistent and "num_ctas" not in (overrides or {}):
         cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
+    if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in (overrides or {})
+            and cfg.lpt_last_section_short(mq * (q.shape[-2] // k.shape[-2]), k.shape[-2])):
+        cfg = dataclasses.replace(cfg, lpt_balanced=True)
     pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)

@@ -275,6 +275,18 @@ def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
         BwdSm90Config(target="sm_90a", hdim=256, dkv_via_ds=True)
 
 
+@pytest.mark.parametrize("d,n,kv_heads,short", [(128, 8192, 16, True), (128, 4096, 16, False),
+                                                 (192, 8192, 10, True), (64, 8192, 32, True),
+                                                 (256, 8192, 8, False), (128, 16384, 16, False),
+                                                 (64, 2048, 32, False)])
+def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_short(
+        d: int, n: int, kv_heads: int, short: bool) -> None:
+    """Sections of as many heads as fit 40 MiB of L2 (d * 8 bytes per query row): 16 heads at
+    d = 128, 8k in 5s leave 1 (balanced to 4 x 4); at 4k, 10 + 6 stays."""
+    cfg = BwdSm90Config(target="sm_90a", hdim=d, causal=True)
+    assert cfg.lpt and cfg.lpt_last_section_short(n, kv_heads) == short
+
+
 def test_sm90_bwd_do_stages_only_below_q_stages_in_the_wide_kernel_with_split_loads() -> None:
     """Fewer dO than Q stages: the wide kernel with split loads only (the dO pipeline then has its
     own state); flash-attn-4's d = 192 tile (2 + 1 stages with the dQ writer) fits in smem."""

@@ -16,7 +16,6 @@ from cute_flash.kernels.tile_scheduler import balanced_section_order, section_or
 
 # L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take
 # (``BwdSm90Config.lpt_l2_mib`` overrides it).
-LPT_L2_BYTES = 40 * 1024 * 1024
 
 
 class BwdProducer:
@@ -73,7 +72,7 @@ class BwdProducer:
         return section_order(tile, num_n, num_head, num_hb, group)
 
     def lpt_l2_bytes(self) -> int:
-        return self.cfg.lpt_l2_mib * 1024 * 1024 if self.cfg.lpt_l2_mib else LPT_L2_BYTES
+        return self.cfg.lpt_l2_bytes()
 
     @cute.jit
     def load_tile(self, args, loads, smem, pipes, tile: Int32, kv_state, state):
@@ -224,15 +223,10 @@ class BwdProducer:
         rows_in_l2 = Int32(self.lpt_l2_bytes() // (self.hdim * 8))
         group = cutlass.max(cutlass.min(rows_in_l2 // q_rows_per_kv_head, num_h), 1)
         lin = x + num_n * y
-        n_block, head, _ = section_order(lin, num_n, num_h, num_h, group)
-        if cutlass.const_expr(self.cfg.lpt_balanced):
-            # A last section of fewer than half a section's heads (16 heads in 5s: 5 + 5 + 5 + 1)
-            # starts its longest CTAs at the grid's end: split the heads evenly then (4 x 4).
-            rem = num_h - (num_h // group) * group
-            short = rem > 0 and rem * 2 < group
-            n_even, head_even, _ = balanced_section_order(lin, num_n, num_h, num_h, group)
-            n_block = cutlass.select_(short, n_even, n_block)
-            head = cutlass.select_(short, head_even, head)
+        # ``lpt_balanced`` (the launcher's choice where the last section would be short):
+        # sections of even size.
+        order = balanced_section_order if cutlass.const_expr(self.cfg.lpt_balanced) else section_order
+        n_block, head, _ = order(lin, num_n, num_h, num_h, group)
         return n_block, head
 
     @cute.jit
