@@ -14,9 +14,6 @@ from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order
 
-# L2 bytes (of the H200's 50 MiB) the ``lpt`` walk lets one group of heads' Q / dO / dQ take
-# (``BwdSm90Config.lpt_l2_mib`` overrides it).
-
 
 class BwdProducer:
     """Needs the kernel's tile sizes, pipelines and ``make_work`` / ``consumer_tile`` /
@@ -72,6 +69,8 @@ class BwdProducer:
         return section_order(tile, num_n, num_head, num_hb, group)
 
     def lpt_l2_bytes(self) -> int:
+        """L2 bytes the ``lpt`` walk lets one group of heads' Q / dO / dQ take (of the H200's
+        50 MiB; ``BwdSm90Config.lpt_l2_bytes``)."""
         return self.cfg.lpt_l2_bytes()
 
     @cute.jit
