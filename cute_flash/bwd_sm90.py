@@ -25,6 +25,7 @@ from cute_flash.bwd import (
 )
 from cute_flash.fwd import normalize_window
 from cute_flash.fwd_sm90 import sm_count
+from cute_flash.kernels.tile_scheduler import section_size
 
 # Scope of the main kernels (see their docstrings): head dims 64, 96, 128, 192 and 256 (= d_v) (GQA, causal,
 # windows, varlen and deterministic mode included); softcap below.
@@ -374,13 +375,16 @@ class BwdSm90Config(jit.KernelConfig):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
 
-    def lpt_l2_bytes(self) -> int:
-        return self.lpt_l2_mib * 1024 * 1024 if self.lpt_l2_mib else SM90_BWD_LPT_L2_BYTES
+    def lpt_rows_in_l2(self) -> int:
+        """Query rows whose Q + dO (16 bit) and dQ accumulator (fp32), d * 8 bytes each, fit the
+        ``lpt`` walk's L2 budget (``lpt_l2_mib`` or ``SM90_BWD_LPT_L2_BYTES``)."""
+        l2_bytes = self.lpt_l2_mib * 1024 * 1024 if self.lpt_l2_mib else SM90_BWD_LPT_L2_BYTES
+        return l2_bytes // (self.hdim * 8)
 
     def lpt_last_section_short(self, q_rows_per_kv_head: int, kv_heads: int) -> bool:
-        """Whether ``lpt``'s full sections of heads (as many as fit ``lpt_l2_bytes``, the kernel's
-        ``longest_first``) leave a last one of fewer than half as many heads."""
-        group = max(min(self.lpt_l2_bytes() // (self.hdim * 8) // max(q_rows_per_kv_head, 1), kv_heads), 1)
+        """Whether ``lpt``'s full sections of heads (the kernel's ``longest_first``) leave a last
+        one of fewer than half as many heads."""
+        group = section_size(self.lpt_rows_in_l2(), max(q_rows_per_kv_head, 1), kv_heads)
         rem = kv_heads % group
         return 0 < 2 * rem < group
 

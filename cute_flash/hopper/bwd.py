@@ -504,13 +504,13 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # This block's LSE2 / D rows came with its Q / dO (same stage). ``prefetch_stats``: read
         # into registers while S^T (then dP^T) is in flight, not after its wait, where each
         # smem load's latency sits between the wait and the first exp2 (flash-attn-4's order).
-        lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s]) if self.prefetch_stats else None
+        lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s])
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
         dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
-        dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s]) if self.prefetch_stats else None
+        dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s])
         warpgroup.wait_group(0)
         self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -591,21 +591,31 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
 
     # LSE2 and D come through smem with the block's Q / dO and are read where used: holding them in
     # registers across the GEMMs spills at this register budget (dK, dV, S^T, dP^T are 192 of 240).
+    # Here the accumulator's columns are the queries (S^T); the wide kernel's rows are.
+    stat_mode = 1
+
+    def stat_query(self, ctx, i: int):
+        """Tile-local query of accumulator column (here) / row (wide kernel) ``i``."""
+        return ctx.tScS[0, i][1]
+
     @cute.jit
     def stats_regs(self, ctx, acc_S, sStat):
-        """This thread's per-query statistics (LSE2 or D), one per accumulator column."""
-        ncols = cute.size(acc_to_mn(acc_S), mode=[1])
-        regs = cute.make_rmem_tensor(ncols, Float32)
-        for c in cutlass.range_constexpr(ncols):
-            regs[c] = sStat[ctx.tScS[0, c][1]]
+        """``prefetch_stats``: this thread's per-query statistics (LSE2 or D), one per accumulator
+        column (row in the wide kernel), else None (read where used, ``stat_at``)."""
+        regs = None
+        if cutlass.const_expr(self.prefetch_stats):
+            n = cute.size(acc_to_mn(acc_S), mode=[self.stat_mode])
+            regs = cute.make_rmem_tensor(n, Float32)
+            for i in cutlass.range_constexpr(n):
+                regs[i] = sStat[self.stat_query(ctx, i)]
         return regs
 
-    def stat_at(self, ctx, sStat, regs, c: int) -> Float32:
-        """The statistic (LSE2 or D) of accumulator column ``c``: from smem, or from
-        ``prefetch_stats``' registers."""
+    def stat_at(self, ctx, sStat, regs, i: int) -> Float32:
+        """The statistic (LSE2 or D) of accumulator column (wide kernel: row) ``i``: from smem, or
+        from ``prefetch_stats``' registers."""
         if cutlass.const_expr(regs is None):
-            return sStat[ctx.tScS[0, c][1]]
-        return regs[c]
+            return sStat[self.stat_query(ctx, i)]
+        return regs[i]
 
     @cute.jit
     def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):

@@ -12,7 +12,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order
+from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order, section_size
 
 
 class BwdProducer:
@@ -65,13 +65,8 @@ class BwdProducer:
         num_head = mK.shape[2]
         num_hb = num_head * mK.shape[3]
         rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
-        group = cutlass.max(cutlass.min(Int32(self.lpt_l2_bytes() // (self.hdim * 8)) // rows, num_hb), 1)
+        group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_hb)
         return section_order(tile, num_n, num_head, num_hb, group)
-
-    def lpt_l2_bytes(self) -> int:
-        """L2 bytes the ``lpt`` walk lets one group of heads' Q / dO / dQ take (of the H200's
-        50 MiB; ``BwdSm90Config.lpt_l2_bytes``)."""
-        return self.cfg.lpt_l2_bytes()
 
     @cute.jit
     def load_tile(self, args, loads, smem, pipes, tile: Int32, kv_state, state):
@@ -217,10 +212,7 @@ class BwdProducer:
         CTAs start first and the last wave is the shortest (with blocks ordered per head, the last
         head's longest CTA started near the end and ran alone)."""
         num_n, num_h, _ = cute.arch.grid_dim()
-        # Q + dO (16 bit) + dQ accumulator (fp32): hdim * 8 bytes per query row (divided first:
-        # rows * bytes can pass 2^31 at long sequences).
-        rows_in_l2 = Int32(self.lpt_l2_bytes() // (self.hdim * 8))
-        group = cutlass.max(cutlass.min(rows_in_l2 // q_rows_per_kv_head, num_h), 1)
+        group = section_size(Int32(self.cfg.lpt_rows_in_l2()), q_rows_per_kv_head, num_h)
         lin = x + num_n * y
         # ``lpt_balanced`` (the launcher's choice where the last section would be short):
         # sections of even size.

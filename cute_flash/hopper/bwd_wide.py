@@ -101,7 +101,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrQ[None, None, None, s], ctx.tSrK, zero_init=True, wg_wait=-1)
         # ``prefetch_stats``: this thread's rows' LSE2 read while S is in flight, D while dP is (just
         # before its wait: any earlier, d = 192 causal spills 8 bytes).
-        lse2 = self.row_stats(ctx, acc_S, ctx.smem.sLSE2[None, s])
+        lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s])
         if cutlass.const_expr(self.split_loads):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, dos, self.spin_waits)
@@ -114,7 +114,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             # stored, and dQ is handed over while dK runs.
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
             self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
-            dsum = self.row_stats(ctx, acc_S, ctx.smem.sDsum[None, sd])
+            dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, sd])
             warpgroup.wait_group(0)
             self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
@@ -130,7 +130,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                     wg_wait=1)
             self.store_dq_under_dk(ctx, pipes, state, dos, acc_dQ, head, m_block)
         else:
-            dsum = self.row_stats(ctx, acc_S, ctx.smem.sDsum[None, sd])
+            dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, sd])
             warpgroup.wait_group(0)
             self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
@@ -173,23 +173,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         return dict(st_PdS=tiled, thr_st_PdS=thr, tRSsP=thr.partition_D(smem.sP),
                     tRSsdS=thr.partition_D(smem.sdS))
 
-    @cute.jit
-    def row_stats(self, ctx, acc_S, sStat):
-        """``prefetch_stats``: this thread's per-query statistics (LSE2 or D), one per accumulator
-        row (2 per thread), else None (read where used)."""
-        regs = None
-        if cutlass.const_expr(self.prefetch_stats):
-            nrows = cute.size(acc_to_mn(acc_S), mode=[0])
-            regs = cute.make_rmem_tensor(nrows, Float32)
-            for r in cutlass.range_constexpr(nrows):
-                regs[r] = sStat[ctx.tScS[r, 0][0]]
-        return regs
+    stat_mode = 0  # (the rows are the queries here: 2 statistics per thread)
 
-    def row_stat(self, ctx, sStat, regs, r: int) -> Float32:
-        """The statistic of accumulator row ``r``: prefetched, or read from smem now."""
-        if cutlass.const_expr(regs is None):
-            return sStat[ctx.tScS[r, 0][0]]
-        return regs[r]
+    def stat_query(self, ctx, i: int):
+        return ctx.tScS[i, 0][0]
 
     @cute.jit
     def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
@@ -201,13 +188,13 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         bounds = self.mask_bounds(ctx, m_block)
         if self.block_needs_mask(bounds):  # edge blocks only (see ``FlashBwdSm90.probs``)
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = self.row_stat(ctx, sLSE2, lse2_regs, r)
+                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
                 for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     query, key = ctx.tScS[r, c]
                     acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = self.row_stat(ctx, sLSE2, lse2_regs, r)
+                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
                 for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
@@ -217,7 +204,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         """dS = P (dP - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
         p, dp = acc_to_mn(acc_S), acc_to_mn(acc_dP)
         for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-            dsum = self.row_stat(ctx, sDsum, dsum_regs, r)
+            dsum = self.stat_at(ctx, sDsum, dsum_regs, r)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         self.softcap_grad(acc_dP, dtanh)

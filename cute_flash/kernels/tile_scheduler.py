@@ -72,6 +72,13 @@ class TileScheduler:
         return m_block, head, batch
 
 
+def section_size(rows_in_l2, rows_per_head, num_heads):
+    """Heads per section when each head's working set is ``rows_per_head`` rows and
+    ``rows_in_l2`` of them fit in L2: at least 1, at most all. Integer code for the kernel (Int32)
+    and the host (int)."""
+    return cutlass.max(cutlass.min(rows_in_l2 // rows_per_head, num_heads), 1)
+
+
 def section_order(idx, num_m, num_head, num_hb, group):
     """(m_block, head, batch) of linear tile ``idx``: sections of ``group`` (batch, head) pairs,
     the head varying fastest inside a section, then the m-block. Plain integer arithmetic, so the
