@@ -252,9 +252,6 @@ class BwdSm90Config(jit.KernelConfig):
     # apart and run under each other's GEMMs. Two Q / dO and dS stages; not with the persistent
     # grid, deterministic mode or softcap. None = ``SM90_BWD_DQ_LAG``.
     dq_lag: bool | None = None
-    # With ``dq_lag``: warpgroup 1 starts half a block after warpgroup 0 (its first S^T waits for
-    # warpgroup 0's first dS^T), so their softmax phases start apart instead of together.
-    lag_stagger: bool = False
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
     # tile the query block).
     pre_threads: int = 0
@@ -342,8 +339,6 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "num_ctas", SM90_NUM_SMS_DEFAULT)
         if not self.persistent and self.num_ctas:
             raise ValueError("sm90 backward: num_ctas sizes the persistent grid only")
-        if self.lag_stagger and not self.dq_lag:
-            raise ValueError("sm90 backward: lag_stagger goes with dq_lag")
         # (Softcap's 1 - tanh^2 registers beside the dQ accumulator in flight: 24 bytes of stack.)
         if self.dq_lag and not (narrow and self.stages == 2 and self.ds_stages == 2
                                 and not (self.persistent or self.deterministic or self.softcap)):

@@ -137,9 +137,6 @@ VARIANTS = [
                               (96, True, False, False, False), (128, True, False, False, False),
                               (128, False, True, False, False))
 ] + [
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, dq_lag=True, lag_stagger=True)
-    for d in (64, 128)
-] + [
     # The persistent grid with the stmatrix epilogue through sK / sV (K / V released after it).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
@@ -155,7 +152,7 @@ def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
              "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced",
-             "dq_lag", "lag_stagger")
+             "dq_lag")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -276,8 +273,6 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
                dict(hdim=64, persistent=True), dict(hdim=128, softcap=True)):
         with pytest.raises(ValueError):
             BwdSm90Config(target="sm_90a", dq_lag=True, **kw)
-    with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=64, lag_stagger=True, dq_lag=False)
 
 
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
@@ -465,16 +460,14 @@ def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("stagger", [False, True])
 @pytest.mark.parametrize("case", NARROW_CASES)
-def test_sm90_bwd_lagged_dq_gemm_keeps_gradients(case: tuple, stagger: bool) -> None:
+def test_sm90_bwd_lagged_dq_gemm_keeps_gradients(case: tuple) -> None:
     """Each block's dQ GEMM issued a block later, on the other warpgroup's dS published through
     per-stage barriers (the first block without one, the last one's after the loop): every narrow
-    case, including a tile no query block sees and single-block tiles (softcap refuses it); also
-    with warpgroup 1 started half a block late."""
+    case, including a tile no query block sees and single-block tiles (softcap refuses it)."""
     if case[7]:
         pytest.skip("dq_lag refuses softcap")
-    _check_gradients(case, overrides=dict(dq_lag=True, lag_stagger=stagger))
+    _check_gradients(case, overrides=dict(dq_lag=True))
 
 
 @pytest.mark.gpu

@@ -66,8 +66,6 @@ BAR_P_FULL = 8
 # ``dq_lag``: warpgroup w's dS of a block in stage p is published on barrier BAR_DS_LAG + 2 w + p
 # (arrive, 128 threads) and waited for by the other warpgroup (sync, 128) one block later.
 BAR_DS_LAG = 9  # .. 12
-# ``lag_stagger``: warpgroup 1 starts its first block once warpgroup 0 has formed that block's dS.
-BAR_STAGGER = 13
 NUM_MMA_THREADS = 256
 
 
@@ -619,11 +617,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         for the first). wgmma groups in issue order: S^T, dP^T, dV, dK, [dQ of prev]."""
         acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        stagger = self.cfg.lag_stagger and prev is None
-        if cutlass.const_expr(stagger):
-            if wg == 1:
-                cute.arch.barrier(barrier_id=BAR_STAGGER, number_of_threads=self.num_mma_threads)
         waits.wait_full(pipes.q, state, self.spin_waits)
         s = state.index
         wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
@@ -636,9 +629,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s])
         warpgroup.wait_group(0)
         self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
-        if cutlass.const_expr(stagger):
-            if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=BAR_STAGGER, number_of_threads=self.num_mma_threads)
         # (dV is issued only now: in flight under the dS^T math its bf16 P^T, beside the fp32 P^T
         # and dP^T, leaves too few of the 240 registers and d = 64 spills.)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -657,6 +647,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # block's dS, which ``lagged_dq_gemm`` waited for).
         tSsdSt, _ = self.ds_views(ctx, s)
         self.write_ds(ctx, rdS, tSsdSt)
+        wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
         cute.arch.barrier_arrive(barrier_id=BAR_DS_LAG + 2 * wg + s, number_of_threads=self.num_mma_threads)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.split_loads):
