@@ -592,12 +592,15 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             head, m_block = self.work_item(work, it)
             self.one_m_block_lag(ctx, pipes, state, head, m_block, v_state, self.work_item(work, it - 1))
             state.advance()
-        for _ in cutlass.range(first, unroll=1):
+        for it in cutlass.range(first, unroll=1):
             head, m_block = self.work_item(work, total - 1)
-            acc_dQ = self.lagged_dq_gemm(ctx, state.index ^ 1)  # (two stages, checked by the config)
+            acc_dQ = self.lagged_dq_gemm(ctx, self.prev_stage(state))
             warpgroup.wait_group(0)
             self.store_dq(ctx, acc_dQ, head, m_block)
         return state
+
+    def prev_stage(self, state) -> Int32:
+        return state.index ^ 1  # (two stages, checked by the config)
 
     @cute.jit
     def lagged_dq_gemm(self, ctx, ps: Int32):
