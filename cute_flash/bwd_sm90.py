@@ -123,9 +123,6 @@ SM90_BWD_DO_STAGES = {192: 1}
 # (192, 128): 412 -> 401, 462 -> 447, causal 334 -> 345, 433 -> 413. Off at both.
 SM90_BWD_WIDE_FA4_ORDER = (192,)
 SM90_BWD_DKV_VIA_DS = False
-# Narrow kernel: each block's dQ GEMM one block later (``hopper.bwd.lagged_blocks``), so the two
-# consumer warpgroups need not meet every block. Keys (head dim, masked).
-SM90_BWD_DQ_LAG: set = set()
 SM90_BWD_PERSISTENT = False
 # Longest-first walk (``lpt``, causal): L2 budget of one section of heads (Q, dO, dQ accumulator).
 SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
@@ -247,11 +244,6 @@ class BwdSm90Config(jit.KernelConfig):
     # (docs/notes.md), so off. None = ``SM90_BWD_PERSISTENT``.
     persistent: bool | None = None
     num_ctas: int = 0
-    # Narrow kernel: a block's dQ GEMM waits for the other warpgroup's dS a block later (after the
-    # next block's exponentials) instead of at once, so the warpgroups' softmax phases may drift
-    # apart and run under each other's GEMMs. Two Q / dO and dS stages; not with the persistent
-    # grid, deterministic mode or softcap. None = ``SM90_BWD_DQ_LAG``.
-    dq_lag: bool | None = None
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
     # tile the query block).
     pre_threads: int = 0
@@ -339,11 +331,6 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "num_ctas", SM90_NUM_SMS_DEFAULT)
         if not self.persistent and self.num_ctas:
             raise ValueError("sm90 backward: num_ctas sizes the persistent grid only")
-        # (Softcap's 1 - tanh^2 registers beside the dQ accumulator in flight: 24 bytes of stack.)
-        if self.dq_lag and not (narrow and self.stages == 2 and self.ds_stages == 2
-                                and not (self.persistent or self.deterministic or self.softcap)):
-            raise ValueError("sm90 backward: dq_lag needs the narrow kernel (d <= 128) with two Q / dO "
-                             "and dS stages, without the persistent grid, deterministic mode or softcap")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:
@@ -378,8 +365,7 @@ class BwdSm90Config(jit.KernelConfig):
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
                     split_loads=SM90_BWD_SPLIT_LOADS and (narrow or wide_split),
-                    spin_waits=SM90_BWD_SPIN_WAITS and (narrow or wide_split),
-                    dq_lag=key in SM90_BWD_DQ_LAG and not (self.deterministic or self.softcap))
+                    spin_waits=SM90_BWD_SPIN_WAITS and (narrow or wide_split))
         persistent_ok = (narrow and not (self.varlen or self.deterministic or self.softcap)
                          and self.split_loads is not False)
         auto["persistent"] = SM90_BWD_PERSISTENT and persistent_ok

@@ -130,13 +130,6 @@ VARIANTS = [
     # The longest-first walk over evenly sized head sections (session 12).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, lpt_balanced=True) for d in (64, 192)
 ] + [
-    # Each block's dQ GEMM a block later (session 13), narrow head dims, masks, varlen.
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, local=loc, softcap=sc, varlen=vl,
-                  dq_lag=True)
-    for d, c, loc, sc, vl in ((64, True, False, False, False), (64, False, False, False, True),
-                              (96, True, False, False, False), (128, True, False, False, False),
-                              (128, False, True, False, False))
-] + [
     # The persistent grid with the stmatrix epilogue through sK / sV (K / V released after it).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
@@ -151,7 +144,7 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced", "dq_lag")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -206,19 +199,15 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             expect += 2
         if cfg.hdim_v != cfg.hdim:
             expect -= 8
-        max_waits = 4
-        if cfg.dq_lag:  # the first block (no dQ), the loop, the last block's dQ
-            expect, max_waits = 2 * expect, 9
         assert hgmma == expect, f"{hgmma} HGMMA, expected {expect}"
-        assert 0 < depbar <= max_waits, f"wgmma serialised? {depbar} waits"
+        assert 0 < depbar <= 4, f"wgmma serialised? {depbar} waits"
         assert "UTMALDG" in sass and ("UBLKRED" if cfg.dq_warp else "REDG") in sass
         if cfg.ds_stmatrix and cfg.tile_m == 80:  # dS^T: 20 single-tile stmatrix.trans
             assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
         elif cfg.ds_stmatrix and cfg.hdim > 128:  # P and dS: stmatrix.x4 (not transposed)
             assert sass.count("STSM.16.M88.4") == (6 if cfg.tile_n == 96 else 4)
         elif cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
-            bodies = 2 if cfg.dq_lag else 1  # (the lagged loop's first block has its own copy)
-            assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4) * bodies
+            assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
         if cfg.dkv_stmatrix and cfg.hdim > 128:
             # dK^T / dV^T: (d + d_v) x tile_n / 2 values per warpgroup, 32 per stmatrix.x4.trans per
             # thread -- and none of the 2-byte stores of the other epilogue beyond P's and dS's.
@@ -267,11 +256,6 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     for kw in (dict(hdim=96), dict(hdim=192), dict(hdim=128, tile_m=80)):
         with pytest.raises(ValueError):
             BwdSm90Config(target="sm_90a", post_stage_smem=True, **kw)
-    # The lagged dQ GEMM needs the narrow kernel's two dS stages and its own block loop.
-    for kw in (dict(hdim=192), dict(hdim=64, ds_stages=1), dict(hdim=64, deterministic=True),
-               dict(hdim=64, persistent=True), dict(hdim=128, softcap=True)):
-        with pytest.raises(ValueError):
-            BwdSm90Config(target="sm_90a", dq_lag=True, **kw)
 
 
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
@@ -455,18 +439,6 @@ def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tu
     if switches.get("num_ctas") == 5 and case[-1] != 128:
         pytest.skip("smem epilogue: d = 128 cases")
     _check_gradients(case, overrides=switches)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", NARROW_CASES)
-def test_sm90_bwd_lagged_dq_gemm_keeps_gradients(case: tuple) -> None:
-    """Each block's dQ GEMM issued a block later, on the other warpgroup's dS published through
-    per-stage barriers (the first block without one, the last one's after the loop): every narrow
-    case, including a tile no query block sees and single-block tiles (softcap refuses it)."""
-    if case[7]:
-        pytest.skip("dq_lag refuses softcap")
-    _check_gradients(case, overrides=dict(dq_lag=True))
 
 
 @pytest.mark.gpu

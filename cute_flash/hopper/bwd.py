@@ -63,9 +63,6 @@ DQ_HANDOFF_THREADS = 128 + 32
 # Wide kernel with ``dq_before_dk``: P in smem from both warpgroups before the dV GEMM reads it
 # (P and dS then meet at separate barriers, so dV runs while dS is stored).
 BAR_P_FULL = 8
-# ``dq_lag``: warpgroup w's dS of a block in stage p is published on barrier BAR_DS_LAG + 2 w + p
-# (arrive, 128 threads) and waited for by the other warpgroup (sync, 128) one block later.
-BAR_DS_LAG = 9  # .. 12
 NUM_MMA_THREADS = 256
 
 
@@ -405,15 +402,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         if cutlass.const_expr(self.split_loads):
             kv_state.advance()  # V's stage: waited for before each dP^T (at once after the first)
         total = self.num_work_items(work)
-        if cutlass.const_expr(self.cfg.dq_lag):
-            state = self.lagged_blocks(ctx, pipes, state, work, kv_state, total)
-        else:
-            for it in cutlass.range(total, unroll=1):
-                head, m_block = self.work_item(work, it)
-                self.one_m_block(ctx, pipes, state, head, m_block, kv_state, do_state)
-                state.advance()
-                if cutlass.const_expr(self.separate_do):
-                    do_state.advance()
+        for it in cutlass.range(total, unroll=1):
+            head, m_block = self.work_item(work, it)
+            self.one_m_block(ctx, pipes, state, head, m_block, kv_state, do_state)
+            state.advance()
+            if cutlass.const_expr(self.separate_do):
+                do_state.advance()
         persistent = self.cfg.persistent
         if cutlass.const_expr(persistent):
             pipe_kv = pipes.kv
@@ -532,10 +526,19 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups. One buffer: wait until
         # both warpgroups' previous dQ GEMMs are done with it. Two (per Q/dO stage): the previous
         # block's FULL barrier already implies that for the buffer written now (block i - 2's).
-        tSsdSt, tdQrdS = self.ds_views(ctx, s)
-        if cutlass.const_expr(self.ds_stages == 1):
+        tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
+        if cutlass.const_expr(self.ds_stmatrix):
+            tSsdSt = ctx.tRSsdSt
+        if cutlass.const_expr(self.ds_stages > 1):
+            tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
+        else:
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        self.write_ds(ctx, rdS, tSsdSt)
+        if cutlass.const_expr(self.ds_stmatrix):
+            cute.copy(ctx.st_dS, ctx.thr_st_dS.retile(rdS), tSsdSt)
+        else:
+            for i in cutlass.range_constexpr(cute.size(rdS)):
+                tSsdSt[i] = rdS[i]
+        cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C(dq_acc_shape(self.tile_m, self.hdim)),
                                        Float32)
@@ -553,111 +556,6 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             if cutlass.const_expr(self.split_loads):
                 pipes.do.consumer_release(state)
             self.store_dq(ctx, acc_dQ, head, m_block)
-
-    def ds_views(self, ctx, s):
-        """dS^T as this thread writes it (stores or stmatrix) and dS as the dQ MMA reads it, in
-        dS stage ``s`` (the block's Q / dO stage) where there are several."""
-        tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
-        if cutlass.const_expr(self.ds_stmatrix):
-            tSsdSt = ctx.tRSsdSt
-        if cutlass.const_expr(self.ds_stages > 1):
-            tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
-        return tSsdSt, tdQrdS
-
-    @cute.jit
-    def write_ds(self, ctx, rdS, tSsdSt):
-        if cutlass.const_expr(self.ds_stmatrix):
-            cute.copy(ctx.st_dS, ctx.thr_st_dS.retile(rdS), tSsdSt)
-        else:
-            for i in cutlass.range_constexpr(cute.size(rdS)):
-                tSsdSt[i] = rdS[i]
-        cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
-
-    @cute.jit
-    def lagged_blocks(self, ctx, pipes, state, work, v_state, total: Int32):
-        """``dq_lag``: the query blocks of a K/V tile with each block's dQ GEMM issued one block
-        later, after the next block's exponentials. The dQ GEMM is the one product that needs both
-        warpgroups' halves of dS; waited for in the same block (``one_m_block``), it meets the two
-        warpgroups there every block, so their softmax phases coincide and the tensor cores idle
-        through both. Published then (arrive) and waited for a block later (sync), the two may
-        drift apart by up to half a block and one's exponentials run under the other's GEMMs.
-        The first block has no predecessor and the last block's dQ follows the loop: the three
-        loops keep every wgmma's wait inside the body that issued it."""
-        first = cutlass.select_(total > 0, Int32(1), Int32(0))
-        for it in cutlass.range(first, unroll=1):
-            head, m_block = self.work_item(work, it)
-            self.one_m_block_lag(ctx, pipes, state, head, m_block, v_state, None)
-            state.advance()
-        for it in cutlass.range(first, total, unroll=1):
-            head, m_block = self.work_item(work, it)
-            self.one_m_block_lag(ctx, pipes, state, head, m_block, v_state, self.work_item(work, it - 1))
-            state.advance()
-        for it in cutlass.range(first, unroll=1):
-            head, m_block = self.work_item(work, total - 1)
-            acc_dQ = self.lagged_dq_gemm(ctx, self.prev_stage(state))
-            warpgroup.wait_group(0)
-            self.store_dq(ctx, acc_dQ, head, m_block)
-        return state
-
-    def prev_stage(self, state) -> Int32:
-        return state.index ^ 1  # (two stages, checked by the config)
-
-    @cute.jit
-    def lagged_dq_gemm(self, ctx, ps: Int32):
-        """Issue the previous block's dQ GEMM (dS stage ``ps``) once the other warpgroup's half of
-        that dS is in smem; returns its accumulator (in flight)."""
-        wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        cute.arch.barrier(barrier_id=BAR_DS_LAG + 2 * (1 - wg) + ps, number_of_threads=self.num_mma_threads)
-        acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C(dq_acc_shape(self.tile_m, self.hdim)),
-                                       Float32)
-        _, tdQrdS = self.ds_views(ctx, ps)
-        self.dq_gemm(acc_dQ, tdQrdS, ctx.tdQrKt, wg_wait=-1)
-        return acc_dQ
-
-    @cute.jit
-    def one_m_block_lag(self, ctx, pipes, state, head: Int32, m_block: Int32, v_state, prev):
-        """One query block under ``dq_lag`` (``prev``: the previous block's (head, m_block), or None
-        for the first). wgmma groups in issue order: S^T, dP^T, dV, dK, [dQ of prev]."""
-        acc_S = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        acc_dP = cute.make_rmem_tensor(ctx.thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        waits.wait_full(pipes.q, state, self.spin_waits)
-        s = state.index
-        wg_gemm(self.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, s], zero_init=True, wg_wait=-1)
-        lse2 = self.stats_regs(ctx, acc_S, ctx.smem.sLSE2[None, s])
-        if cutlass.const_expr(self.split_loads):
-            waits.wait_full(pipes.kv, v_state, self.spin_waits)
-            waits.wait_full(pipes.do, state, self.spin_waits)
-        wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
-        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
-        dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s])
-        warpgroup.wait_group(0)
-        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
-        # (dV is issued only now: in flight under the dS^T math its bf16 P^T, beside the fp32 P^T
-        # and dP^T, leaves too few of the 240 registers and d = 64 spills.)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        convert_pairs(acc_S, rP)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        convert_pairs(acc_dP, rdS)
-        wg_gemm(self.mma_dkv, ctx.acc_dV, acc_to_frgA_sm90(rP), ctx.tdVrdOt[None, None, None, s],
-                zero_init=False, wg_wait=-1)
-        wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
-                zero_init=False, wg_wait=-1)
-        acc_dQ = None
-        if cutlass.const_expr(prev is not None):
-            acc_dQ = self.lagged_dq_gemm(ctx, s ^ 1)
-        # This block's dS^T may overwrite stage s: its last readers, the dQ GEMMs two blocks back,
-        # are done (this warpgroup's a block ago; the other's before it published the previous
-        # block's dS, which ``lagged_dq_gemm`` waited for).
-        tSsdSt, _ = self.ds_views(ctx, s)
-        self.write_ds(ctx, rdS, tSsdSt)
-        wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
-        cute.arch.barrier_arrive(barrier_id=BAR_DS_LAG + 2 * wg + s, number_of_threads=self.num_mma_threads)
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(self.split_loads):
-            pipes.do.consumer_release(state)
-        pipes.q.consumer_release(state)
-        if cutlass.const_expr(prev is not None):
-            self.store_dq(ctx, acc_dQ, prev[0], prev[1])
 
     @cute.jit
     def store_dq_under_dk(self, ctx, pipes, q_state, do_state, acc_dQ, head: Int32, m_block: Int32):
