@@ -244,9 +244,6 @@ class BwdSm90Config(jit.KernelConfig):
     # (docs/notes.md), so off. None = ``SM90_BWD_PERSISTENT``.
     persistent: bool | None = None
     num_ctas: int = 0
-    # 1 in this many of the exponentials of P on the FMA pipe (``kernels.softmax.exp2_poly``, relative
-    # error 1e-4, masked scores exactly 0); 0 = all on the MUFU.
-    exp2_emu: int = 0
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
     # tile the query block).
     pre_threads: int = 0
@@ -334,8 +331,6 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "num_ctas", SM90_NUM_SMS_DEFAULT)
         if not self.persistent and self.num_ctas:
             raise ValueError("sm90 backward: num_ctas sizes the persistent grid only")
-        if self.exp2_emu < 0:
-            raise ValueError("sm90 backward: exp2_emu counts exponentials (0 = none on the FMA pipe)")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
         if self.softcap and self.hdim == 64:

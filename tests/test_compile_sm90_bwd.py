@@ -130,10 +130,6 @@ VARIANTS = [
     # The longest-first walk over evenly sized head sections (session 12).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, lpt_balanced=True) for d in (64, 192)
 ] + [
-    # Part of P's exponentials on the FMA pipe (session 13), narrow and wide, masked and not.
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, exp2_emu=k)
-    for d, c, k in ((64, True, 4), (64, False, 8), (128, True, 8), (192, True, 8), (256, False, 8))
-] + [
     # The persistent grid with the stmatrix epilogue through sK / sV (K / V released after it).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
@@ -151,7 +147,6 @@ def _id(cfg: BwdSm90Config) -> str:
              "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
-    flags += [f"exp2-emu-{cfg.exp2_emu}"] if cfg.exp2_emu else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
     flags += ["fa4-order"] if cfg.hdim > 128 and cfg.dq_before_dk else []
@@ -261,8 +256,6 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     for kw in (dict(hdim=96), dict(hdim=192), dict(hdim=128, tile_m=80)):
         with pytest.raises(ValueError):
             BwdSm90Config(target="sm_90a", post_stage_smem=True, **kw)
-    with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", exp2_emu=-1)
 
 
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
@@ -446,17 +439,6 @@ def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tu
     if switches.get("num_ctas") == 5 and case[-1] != 128:
         pytest.skip("smem epilogue: d = 128 cases")
     _check_gradients(case, overrides=switches)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (1, 3, 5, 7, 8, 9)] + [UNSEEN_KEYS_CASE]
-                         + [c for c in GPU_CASES if c[-1] in (64, 192)])
-def test_sm90_bwd_exponentials_partly_on_the_fma_pipe_keep_gradients(case: tuple) -> None:
-    """1 in 3 of P's exponentials by the polynomial (the most any default would use): masked
-    scores still exactly 0 (windows, causal rows that see no key, padding rows' LSE2 = +inf),
-    gradients by the usual rule, narrow and wide kernels."""
-    _check_gradients(case, overrides=dict(exp2_emu=3))
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import exp2_poly, score_scales
+from cute_flash.kernels.softmax import score_scales
 
 # Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
 # by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
@@ -627,30 +627,18 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         bounds = self.mask_bounds(ctx, m_block)
         # Only edge blocks (diagonal / window band, the partial last K/V block) pay for the mask:
         # at d = 64 its compare-and-select is a quarter of the loop body's instructions.
-        rows = cute.size(acc, mode=[0])
         if self.block_needs_mask(bounds):
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
-                for r in cutlass.range_constexpr(rows):
+                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                     key, query = ctx.tScS[r, c]
-                    x = self.mask_score(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
-                    acc[r, c] = self.exp2(x, c * rows + r)
+                    acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
-                for r in cutlass.range_constexpr(rows):
-                    acc[r, c] = self.exp2(acc[r, c] * ctx.scale_log2 - lse2, c * rows + r)
+                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                    acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
-
-    def exp2(self, x: Float32, i: int) -> Float32:
-        """2^x of a thread's ``i``-th score: 1 in ``exp2_emu`` on the FMA pipe (``exp2_poly``),
-        the rest on the MUFU. (At d = 64 the exponentials issue back to back, 64 MUFU per thread
-        and block, and the MUFU's rate -- not the FMA pipe, nearly idle there -- sets the phase's
-        length; Nsight Compute put 13% of the samples on them, flash-attn-4's 5%.)"""
-        k = self.cfg.exp2_emu
-        if cutlass.const_expr(k > 0 and i % k == k - 1):
-            return exp2_poly(x)
-        return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def block_needs_mask(self, bounds: tuple):
@@ -686,15 +674,15 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 acc_dS[i] = acc_dS[i] * dtanh[i].to(Float32)
 
     @cute.jit
-    def mask_score(self, x: Float32, key: Int32, query: Int32, bounds: tuple) -> Float32:
-        """x where the query sees the key (``mask_bounds``), else -inf (exp2 -> 0)."""
+    def masked_exp2(self, x: Float32, key: Int32, query: Int32, bounds: tuple) -> Float32:
+        """exp2(x) where the query sees the key (``mask_bounds``), else exp2(-inf) = 0."""
         last_key, hi, lo = bounds
         ok = key <= last_key
         if cutlass.const_expr(self.is_causal or self.is_local):
             ok = ok and key - query <= hi
         if cutlass.const_expr(self.is_local):
             ok = ok and key - query >= lo
-        return cutlass.select_(ok, x, -Float32.inf)
+        return cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
 
     @cute.jit
     def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):

@@ -186,19 +186,17 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
         bounds = self.mask_bounds(ctx, m_block)
-        cols = cute.size(acc, mode=[1])
         if self.block_needs_mask(bounds):  # edge blocks only (see ``FlashBwdSm90.probs``)
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                 lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
-                for c in cutlass.range_constexpr(cols):
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     query, key = ctx.tScS[r, c]
-                    x = self.mask_score(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
-                    acc[r, c] = self.exp2(x, r * cols + c)
+                    acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
         else:
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                 lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
-                for c in cutlass.range_constexpr(cols):
-                    acc[r, c] = self.exp2(acc[r, c] * ctx.scale_log2 - lse2, r * cols + c)
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
         return dtanh
 
     @cute.jit
