@@ -79,9 +79,6 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # first blocks is most of them (flash-attn-4's trick on Blackwell, with its larger bf16
     # threshold). Compiled, not yet measured: off.
     lazy_rescale: bool = False
-    # With ``v_perm``: P converted to e4m3 straight into the A fragment's byte order (each register
-    # from the four scores it needs) instead of in the accumulator's order and then merged by bytes.
-    p_direct: bool = False
 
     kernel_name = "fwd_sm90_fp8"
 

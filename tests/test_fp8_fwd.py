@@ -43,11 +43,6 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, lazy_rescale=Tr
                            (128, dict(varlen=True, causal=True, sum_mma=True)), (128, dict(local=True)),
                            (128, dict(v_perm=True, num_ctas=132, sum_mma=True)),
                            (256, dict(v_perm=True)), (64, dict(causal=True)))]
-# P converted to e4m3 straight into the A fragment's byte order (V in the kernel order).
-VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, v_perm=True, p_direct=True, **kw)
-             for d, kw in ((128, {}), (128, dict(causal=True)), (128, dict(causal=True, num_ctas=132,
-                                                                               dynamic_tiles=True)),
-                           (128, dict(sum_mma=False)), (64, dict(causal=True)), (256, {}))]
 
 
 def _id(c: FwdSm90Fp8Config) -> str:
@@ -56,7 +51,6 @@ def _id(c: FwdSm90Fp8Config) -> str:
     grid = f"-persistent{'-dynamic' if c.dynamic_tiles else ''}" if c.num_ctas else ""
     packed = ("-varlen" if c.varlen else "") + (f"-pack{c.pack_gqa}" if c.pack_gqa > 1 else "")
     sums = ("-sum-mma" if c.sum_mma else "") + ("-lazy-rescale" if c.lazy_rescale else "")
-    sums += "-p-direct" if c.p_direct else ""
     return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid + packed + sums
 
 
@@ -186,25 +180,6 @@ def test_with_v_in_kernel_order_each_lane_already_holds_its_p_bytes(tile_n: int)
             assert got == stored, (t, kb)
 
 
-@pytest.mark.parametrize("tile_n", [64, 128, 192])
-def test_p_converted_into_the_a_fragment_lands_where_the_byte_merges_put_it(tile_n: int) -> None:
-    """``hopper.fwd_fp8.own_p_sources`` (``p_direct``): every byte of every A-fragment word comes
-    from the accumulator register that ``merge_own_p`` would have moved there -- the k32 A slot of
-    each thread gets P of the key the kernel-order V stores at that position."""
-    from cute_flash.fp8_ref import V_PERM16
-    from cute_flash.hopper.fwd_fp8 import own_p_sources
-
-    c_shape, c_stride = ((4, 8, 4), (2, 2, tile_n // 8)), ((128, 1, 16), (64, 8, 512))
-    a_shape, a_stride = ((4, 8, 4), (4, 2, 2)), ((256, 1, 16), (64, 8, 1024))
-    for t in range(128):
-        c = _tv_coords(c_shape, c_stride, 64, t, 4 * (tile_n // 8))
-        want = _tv_coords(a_shape, a_stride, 64, t, 16)
-        for kb in range(tile_n // 32):
-            got = [c[j] for h in range(2) for i in range(2) for j in own_p_sources(kb, h, i)]
-            stored = [(r, 32 * kb + 16 * (k // 16) + V_PERM16[k % 16]) for r, k in want]
-            assert got == stored, (t, kb)
-
-
 def test_kernel_order_v_round_trips_and_pads_with_zeros() -> None:
     import torch
 
@@ -309,23 +284,6 @@ def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_pe
     ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
     b, nq = (3, 700) if nk < 1000 else (1, 640)
     _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
-                         dynamic_tiles=causal and ctas > 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("d,causal,grid", [(128, False, "tiles"), (128, True, "tiles"),
-                                           (128, True, "persistent"), (64, True, "tiles"),
-                                           (256, False, "tiles"), (256, True, "persistent")])
-def test_fp8_p_converted_into_the_a_fragment_matches_the_reference(d: int, causal: bool, grid: str) -> None:
-    """``p_direct``: P goes from fp32 to e4m3 in the A fragment's byte order (no byte merges
-    after): same reference, one CTA per tile and the persistent grid, partial last blocks."""
-    import torch
-
-    from cute_flash.fwd_sm90 import sm_count
-
-    ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
-    _kernel_vs_reference(d, causal, 2, 300, 517, 4, 2, seed=7, v_perm=True, p_direct=True, num_ctas=ctas,
                          dynamic_tiles=causal and ctas > 0)
 
 

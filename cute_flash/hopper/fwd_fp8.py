@@ -33,7 +33,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.ampere import common
 from cute_flash.fp8_ref import P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
-from cute_flash.kernels.convert import cvt_e4m3x4
 from cute_flash.kernels.layout import acc_to_mn
 
 # Columns of the ones block (the narrowest wgmma N).
@@ -84,28 +83,6 @@ def merge_own_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
             w0, w1 = words[4 * kb + 2 * h], words[4 * kb + 2 * h + 1]
             words[4 * kb + 2 * h] = (w0 & 0xFFFF) | (w1 << 16)
             words[4 * kb + 2 * h + 1] = ((w0 >> 16) & 0xFFFF) | (w1 & -65536)
-
-
-def own_p_sources(kb: int, h: int, i: int) -> tuple[int, int, int, int]:
-    """The accumulator registers (fp32 S, register order: column group j holds [row r pair,
-    row r + 8 pair] at 4 j .. 4 j + 3) whose scores make A-fragment word 4 kb + 2 h + i under
-    ``merge_own_p``'s placement, lowest byte first: row r + 8 i's pair of column group
-    4 kb + 2 h, then of the next group."""
-    c0 = 4 * (4 * kb + 2 * h)
-    return c0 + 2 * i, c0 + 2 * i + 1, c0 + 4 + 2 * i, c0 + 5 + 2 * i
-
-
-@cute.jit
-def convert_own_p(acc_S: cute.Tensor, rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
-    """``merge_own_p``'s A fragment straight from the fp32 accumulator: each word converted from
-    the four scores it needs (``own_p_sources``), so no byte merges follow (48 integer
-    instructions per thread and block at tile_n = 192, 8% of the d = 128 loop's issue slots)."""
-    words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(4 * num_kblocks))
-    for kb in cutlass.range_constexpr(num_kblocks):
-        for h in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(2):
-                a, b, c, d = own_p_sources(kb, h, i)
-                words[4 * kb + 2 * h + i] = cvt_e4m3x4(acc_S[a], acc_S[b], acc_S[c], acc_S[d])
 
 
 class FlashFwdSm90Fp8(FlashFwdSm90):
@@ -260,9 +237,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
         # P arrives as P_SCALE * p (``p_log2_offset``): small probabilities stay out of e4m3's
         # subnormals (fp8_ref.P_SCALE) without a multiply per score.
-        if cutlass.const_expr(self.cfg.v_perm and self.cfg.p_direct):
-            convert_own_p(acc_S, rP, self.tile_n // 32)
-            return
         rP.store(acc_S.load().to(self.dtype))
         if cutlass.const_expr(self.cfg.v_perm):
             merge_own_p(rP, self.tile_n // 32)

@@ -1,5 +1,4 @@
-"""fp32 -> 16-bit conversion of register fragments, two values per instruction (and fp32 -> e4m3,
-four values per 32-bit register).
+"""fp32 -> 16-bit conversion of register fragments, two values per instruction.
 
 ``TensorSSA.to(BFloat16)`` only becomes ``cvt.rn.bf16x2.f32`` when LLVM manages to pair the
 elements; for S tiles whose width is not a multiple of 32 (tile_n = 80, 96, 144) half of them come
@@ -32,18 +31,3 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor) -> None:
     dst32 = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst32)):
         dst32[i] = cvt_pair(src[2 * i], src[2 * i + 1], bf16)
-
-
-@dsl_user_op
-def cvt_e4m3x4(b0: Float32, b1: Float32, b2: Float32, b3: Float32, *, loc=None, ip=None) -> Int32:
-    """Four fp32 -> one 32-bit register of e4m3 bytes (b0 lowest; round to nearest, saturating to
-    +-448), whichever accumulator registers they come from: ptxas makes it two F2FP, the second
-    merging into the first's upper half, so a fragment reordered by bytes needs no byte shuffling
-    after a conversion in the accumulator's order."""
-    args = [Float32(x).ir_value(loc=loc, ip=ip) for x in (b0, b1, b2, b3)]
-    # cvt.*x2 packs its first source into the upper half.
-    return Int32(llvm.inline_asm(
-        T.i32(), args,
-        "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}",
-        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
