@@ -120,6 +120,9 @@ class FwdSm90Config(jit.KernelConfig):
     dynamic_tiles: bool = False
     # O staged in its own smem buffer (where it fits) instead of Q's: derived, not set.
     separate_o: bool = False
+    # Independent FMNMX chains per row for the row maximum (the max must finish before the row's
+    # first exponential, so its latency sits on the softmax's critical path).
+    max_chains: int = 4
 
     kernel_name = "fwd_sm90"
 
