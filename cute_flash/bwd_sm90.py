@@ -202,6 +202,10 @@ class BwdSm90Config(jit.KernelConfig):
     # a short last one. ``run_bwd_sm90`` turns it on where the last section would hold fewer than
     # half a section's heads (``lpt_last_section_short``; ``SM90_BWD_LPT_BALANCED``).
     lpt_balanced: bool = False
+    # The walk's divisors set up once by the launcher (FastDivmod, ``section_walk_plan``) instead
+    # of four or five integer divisions at every CTA's start (~900 cycles before the first TMA
+    # at d = 64). False: the divisions in the kernel, for A/B runs.
+    lpt_walk_plan: bool = True
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).

@@ -6,7 +6,12 @@ import itertools
 
 import pytest
 
-from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order
+from cute_flash.kernels.tile_scheduler import (
+    balanced_section_order,
+    planned_section_order,
+    section_order,
+    section_walk_plan,
+)
 
 
 @pytest.mark.parametrize("num_m,num_head,num_batch,group",
@@ -55,3 +60,13 @@ def test_balanced_sections_differ_by_at_most_one_head_and_walk_blocks_in_order(n
         assert sorted({h for _, h in chunk}) == list(range(start // num_m, start // num_m + size))
         start += size * num_m
     assert start == len(order)
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("num_m,num_head,group", [(1, 1, 1), (16, 32, 5), (16, 16, 5), (7, 10, 3),
+                                                  (64, 16, 4), (5, 9, 9), (3, 13, 20), (8, 6, 1)])
+def test_planned_section_walk_matches_the_division_walk(balanced, num_m, num_head, group):
+    plan = section_walk_plan(num_m, num_head, group, balanced)
+    ref = balanced_section_order if balanced else section_order
+    for i in range(num_m * num_head):
+        assert planned_section_order(i, plan, balanced) == ref(i, num_m, num_head, num_head, group)[:2]

@@ -45,6 +45,7 @@ from cute_flash.kernels.convert import convert_pairs
 from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 from cute_flash.kernels.seqlen import SeqlenInfo
 from cute_flash.kernels.softmax import score_scales
+from cute_flash.kernels.tile_scheduler import section_size, section_walk_plan
 
 # Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
 # by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
@@ -218,9 +219,19 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], self.cfg.num_ctas), 1, 1)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
+        # Integer divisions by launch-invariant numbers happen here, once, not at every CTA's start
+        # (``section_walk_plan``): the GQA ratio, and the longest-first walk's divisors.
+        qhead_per_kv = mQ.shape[2] // mK.shape[2]
+        walk = ()
+        if cutlass.const_expr(self.lpt and self.cfg.lpt_walk_plan and not self.cfg.persistent):
+            num_h = mK.shape[2]
+            rows = mQ.shape[0] * qhead_per_kv
+            group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_h)
+            walk = section_walk_plan(grid[0], num_h, group, self.cfg.lpt_balanced,
+                                     divisor=cute.fast_divmod_create_divisor_v2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, window_left, window_right,
-                    Storage).launch(
+                    mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, walk, qhead_per_kv, window_left,
+                    window_right, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
             # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
             # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
@@ -234,8 +245,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSemaphore: cute.Tensor | None, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom,
-               tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, window_left: Int32,
-               window_right: Int32, Storage: cutlass.Constexpr):
+               tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, walk: tuple,
+               qhead_per_kv: Int32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -278,7 +289,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 ptr = cute.recast_ptr(storage.sdS.data_ptr() + off, layout.inner, dtype=self.dtype)
                 setattr(smem, name, cute.make_tensor(ptr, layout.outer))
         args = common.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
-                          mSemaphore=mSemaphore, window_left=window_left, window_right=window_right)
+                          mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
+                          qhead_per_kv=qhead_per_kv)
         loads = common.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
                            tma_V=tma_V, tma_dO=tma_dO)
         if cutlass.const_expr(self.cfg.persistent):
@@ -286,8 +298,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         else:
             n_block, head_kv, batch = cute.arch.block_idx()
             if cutlass.const_expr(self.lpt):
-                rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
-                n_block, head_kv = self.longest_first(n_block, head_kv, rows)
+                n_block, head_kv = self.longest_first(n_block, head_kv, walk, args)
             seqlen, work = self.make_work(args, n_block, head_kv, batch)
             # Varlen grids are sized by the longest sequence: CTAs past this batch's keys leave at
             # once (the condition is uniform over the CTA).
@@ -358,7 +369,9 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             else:
                 prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block - 1)
         # GQA/MQA: this KV head's query heads are [head_kv * group, (head_kv + 1) * group).
-        group = mQ.shape[2] // mK.shape[2]
+        # (The launcher's ratio saves the division at every CTA's start; the persistent grid keeps
+        # its own: there the kernel argument cost 24 bytes of stack.)
+        group = mQ.shape[2] // mK.shape[2] if cutlass.const_expr(self.cfg.persistent) else args.qhead_per_kv
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                           prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
@@ -432,7 +445,10 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
     @staticmethod
     def work_item(work, it: Int32) -> tuple:
         """(query head, query block) of item ``it``, in the order the consumers and the dQ writer
-        warp both walk (the producer's head / block loops give the same order)."""
+        warp both walk (the producer's head / block loops give the same order). This division per
+        block is in every role's loop; stepping (head, block) instead, or nested loops, made ptxas
+        serialise the consumers' wgmmas at d = 128 with 80-row tiles or spill in the persistent
+        grid's 24-register warps (the register budget is the kernel's, not the role's)."""
         num_m = work.m_block_max - work.m_block_min
         g = it // num_m
         return work.head_kv * work.group + g, work.m_block_min + it - g * num_m

@@ -12,7 +12,12 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.kernels import bwd_math, waits
 from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.tile_scheduler import balanced_section_order, section_order, section_size
+from cute_flash.kernels.tile_scheduler import (
+    balanced_section_order,
+    planned_section_order,
+    section_order,
+    section_size,
+)
 
 
 class BwdProducer:
@@ -204,21 +209,24 @@ class BwdProducer:
             cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def longest_first(self, x: Int32, y: Int32, q_rows_per_kv_head: Int32) -> tuple:
+    def longest_first(self, x: Int32, y: Int32, walk: tuple, args) -> tuple:
         """(n_block, head_kv) of the CTA with grid coordinates (x, y) under ``lpt``: CTAs start in
         blockIdx order, so walk the K/V heads in groups whose Q, dO and dQ accumulator fit in L2
         together, and within a group all heads' first key blocks, then their second ones, and so
         on. In causal attention key block n sees the most query blocks at n = 0, so the longest
         CTAs start first and the last wave is the shortest (with blocks ordered per head, the last
-        head's longest CTA started near the end and ran alone)."""
+        head's longest CTA started near the end and ran alone). ``walk``: the launcher's
+        ``section_walk_plan`` (sections of even size with ``lpt_balanced``, the launcher's choice
+        where full sections would leave a short last one)."""
         num_n, num_h, _ = cute.arch.grid_dim()
-        group = section_size(Int32(self.cfg.lpt_rows_in_l2()), q_rows_per_kv_head, num_h)
         lin = x + num_n * y
-        # ``lpt_balanced`` (the launcher's choice where the last section would be short):
-        # sections of even size.
-        order = balanced_section_order if cutlass.const_expr(self.cfg.lpt_balanced) else section_order
-        n_block, head, _ = order(lin, num_n, num_h, num_h, group)
-        return n_block, head
+        if cutlass.const_expr(not self.cfg.lpt_walk_plan):
+            rows = args.mQ.shape[0] * args.qhead_per_kv
+            group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_h)
+            order = balanced_section_order if cutlass.const_expr(self.cfg.lpt_balanced) else section_order
+            n_block, head, _ = order(lin, num_n, num_h, num_h, group)
+            return n_block, head
+        return planned_section_order(lin, walk, self.cfg.lpt_balanced)
 
     @cute.jit
     def load_head(self, mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head,

@@ -514,7 +514,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.cfg.uniform_desc):
             wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]), max_chains=self.cfg.max_chains,
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]),
+                                max_chains=self.cfg.max_chains,
                                 seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
                                 p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows,
                                 rescale_threshold=self.rescale_threshold)

@@ -114,3 +114,51 @@ def balanced_section_order(idx, num_m, num_head, num_hb, max_group):
     hb = g_big * (base + 1) + g_small * base + (rest - m * size)
     batch = hb // num_head
     return m, hb - batch * num_head, batch
+
+
+# ----------------------------------------------------------------------------------------------
+# The same walks from numbers set up once per launch. A CTA otherwise spends four or five signed
+# integer divisions (~25 SASS instructions each, an I2F -> MUFU.RCP -> F2I chain through R2UR
+# round trips: ~900 cycles at d = 64) on its tile before the producer's first TMA. Every divisor
+# below depends only on the launch's shapes, so the launcher wraps them as the DSL's FastDivmod
+# (a multiply-high and a shift in the kernel; ``divisor=cute.fast_divmod_create_divisor_v2`` in
+# host code -- created inside a kernel, the set-up itself is a loop and a 64-bit division call).
+# ``divisor=int`` gives plain Python numbers, for the CPU tests.
+# ----------------------------------------------------------------------------------------------
+def section_walk_plan(num_m, num_hb, group, balanced: bool, divisor=int) -> tuple:
+    """Grid-invariant numbers of ``section_order`` (``balanced=False``) or
+    ``balanced_section_order`` over (m-block, head) tiles with one batch per grid z."""
+    if balanced:
+        sections = (num_hb + group - 1) // group
+        base = num_hb // sections
+        extra = num_hb - base * sections
+        return (divisor((base + 1) * num_m), divisor(base * num_m), divisor(base + 1), divisor(base),
+                base, extra, num_m)
+    last = (num_hb - 1) // group
+    heads_last = num_hb - last * group
+    return (divisor(group * num_m), divisor(group), divisor(heads_last), group, last)
+
+
+def planned_section_order(idx, plan: tuple, balanced: bool):
+    """(m_block, head) of linear tile ``idx`` under ``section_walk_plan``'s numbers: the same
+    order as ``section_order`` / ``balanced_section_order`` (tests/test_tile_scheduler.py)."""
+    if balanced:
+        d_big, d_small, d_base1, d_base, base, extra, num_m = plan
+        g_big = cutlass.min(idx // d_big, extra)
+        is_small = cutlass.max(g_big - extra + 1, 0)  # 1 past the big sections, else 0
+        rest = idx - g_big * ((base + 1) * num_m)
+        g_small = (rest // d_small) * is_small
+        rest = rest - g_small * (base * num_m)
+        # Both quotients, then a 0 / 1 pick: the divisors stay the launch's.
+        m_big, h_big = divmod(rest, d_base1)
+        m_small, h_small = divmod(rest, d_base)
+        m = m_big + (m_small - m_big) * is_small
+        head = g_big * (base + 1) + g_small * base + h_big + (h_small - h_big) * is_small
+        return m, head
+    d_section, d_group, d_last, group, last = plan
+    section, in_section = divmod(idx, d_section)
+    is_last = cutlass.max(section - last + 1, 0)  # the last section may hold fewer heads
+    m_full, h_full = divmod(in_section, d_group)
+    m_last, h_last = divmod(in_section, d_last)
+    m = m_full + (m_last - m_full) * is_last
+    return m, section * group + h_full + (h_last - h_full) * is_last
