@@ -49,12 +49,18 @@ class TileScheduler:
         return (self.num_m * self.num_hb, 1, 1)
 
     def params(self) -> tuple:
-        """The values the kernel needs to call ``tile``."""
-        return (self.num_m, self.num_head, self.num_hb, self.group)
+        """The values the kernel needs to call ``tile`` (host side: the walk's divisors are set up
+        here, ``section_walk_plan``)."""
+        plan = ()
+        if cutlass.const_expr(not self.varlen):
+            div = cute.fast_divmod_create_divisor_v2
+            walk = section_walk_plan(self.num_m, self.num_hb, self.group, False, divisor=div)
+            plan = (walk, div(self.num_head))
+        return (self.num_m, self.num_head, self.num_hb, self.group, plan)
 
     @staticmethod
     def num_tiles(params: tuple):
-        num_m, _, num_hb, _ = params
+        num_m, _, num_hb, _, _ = params
         return num_m * num_hb
 
     @staticmethod
@@ -62,11 +68,14 @@ class TileScheduler:
     def tile(params: tuple, idx: Int32, lpt: cutlass.Constexpr[bool], varlen: cutlass.Constexpr[bool]):
         """Device side: (m_block, head, batch) of linear tile ``idx`` (varlen: of this CTA,
         ``idx`` being its x index)."""
-        num_m, num_head, num_hb, group = params
+        num_m, _, _, _, plan = params
         _, by, bz = cute.arch.block_idx()
         m_block, head, batch = idx, by, bz
         if cutlass.const_expr(not varlen):
-            m_block, head, batch = section_order(idx, num_m, num_head, num_hb, group)
+            # ``section_order`` without its three integer divisions (``section_walk_plan``).
+            walk, d_head = plan
+            m_block, hb = planned_section_order(idx, walk, False)
+            batch, head = divmod(hb, d_head)
         if cutlass.const_expr(lpt):
             m_block = num_m - 1 - m_block
         return m_block, head, batch
