@@ -70,3 +70,16 @@ def test_planned_section_walk_matches_the_division_walk(balanced, num_m, num_hea
     ref = balanced_section_order if balanced else section_order
     for i in range(num_m * num_head):
         assert planned_section_order(i, plan, balanced) == ref(i, num_m, num_head, num_head, group)[:2]
+
+
+@pytest.mark.parametrize("num_m,num_head,num_batch,group",
+                         [(7, 3, 2, 4), (5, 16, 2, 12), (9, 1, 5, 2), (3, 5, 3, 15)])
+def test_forward_planned_walk_with_batches_matches_section_order(num_m, num_head, num_batch, group):
+    """The forward's use (``TileScheduler.tile``): the walk over (batch, head) pairs, then the pair
+    split by a divmod by the head count."""
+    num_hb = num_head * num_batch
+    plan = section_walk_plan(num_m, num_hb, min(group, num_hb), False)
+    for i in range(num_m * num_hb):
+        m, hb = planned_section_order(i, plan, False)
+        batch, head = divmod(hb, num_head)
+        assert (m, head, batch) == section_order(i, num_m, num_head, num_hb, min(group, num_hb))
