@@ -56,11 +56,11 @@ class TileScheduler:
             div = cute.fast_divmod_create_divisor_v2
             walk = section_walk_plan(self.num_m, self.num_hb, self.group, False, divisor=div)
             plan = (walk, div(self.num_head))
-        return (self.num_m, self.num_head, self.num_hb, self.group, plan)
+        return (self.num_m, self.num_hb, plan)
 
     @staticmethod
     def num_tiles(params: tuple):
-        num_m, _, num_hb, _, _ = params
+        num_m, num_hb, _ = params
         return num_m * num_hb
 
     @staticmethod
@@ -68,7 +68,7 @@ class TileScheduler:
     def tile(params: tuple, idx: Int32, lpt: cutlass.Constexpr[bool], varlen: cutlass.Constexpr[bool]):
         """Device side: (m_block, head, batch) of linear tile ``idx`` (varlen: of this CTA,
         ``idx`` being its x index)."""
-        num_m, _, _, _, plan = params
+        num_m, _, plan = params
         _, by, bz = cute.arch.block_idx()
         m_block, head, batch = idx, by, bz
         if cutlass.const_expr(not varlen):
