@@ -134,6 +134,12 @@ SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
 # the kernel compiles one walk.
 SM90_BWD_LPT_BALANCED = True
 SM90_NUM_SMS_DEFAULT = 132
+# Session 15 (``tune_bwd_sm90.py``, one run, TFLOP/s, in order -> rotated query-block walk, N = 8k /
+# 16k, non-causal | causal): d = 256 437 -> 450, 438 -> 450 | 437 -> 443, 446 -> 456; d = 192 482
+# -> 494, 513 -> 512 | 474 -> 472, 496 -> 491; d = 128 and 64 (4k-16k) -1 to -4% everywhere but
+# d = 64 non-causal 16k (517 -> 521): in order, the 128 CTAs of a head read each Q / dO block
+# close together in time (L2 hits), which the narrow kernel's shorter blocks feel more.
+SM90_BWD_ROTATE_M_HDIMS = (256,)
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
 # (session 9 profile); 256 measured within noise at d = 64 / 128 causal 2k / 4k (session 10).
 SM90_BWD_PRE_THREADS = 128
@@ -206,6 +212,10 @@ class BwdSm90Config(jit.KernelConfig):
     # of four or five integer divisions at every CTA's start (~900 cycles before the first TMA
     # at d = 64). False: the divisions in the kernel, for A/B runs.
     lpt_walk_plan: bool = True
+    # Key block n starts at its n-th query block and wraps (``FlashBwdSm90.make_work``), so the
+    # CTAs of a head do not all read the same Q / dO block and add into the same dQ rows at once.
+    # Not with deterministic mode (its dQ order is the point). None = ``SM90_BWD_ROTATE_M_HDIMS``.
+    rotate_m: bool | None = None
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after
     # their waits (flash-attn-4's order). Not with softcap (no registers left).
@@ -292,6 +302,10 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
+        if self.rotate_m is None:
+            object.__setattr__(self, "rotate_m", self.hdim in SM90_BWD_ROTATE_M_HDIMS and not self.deterministic)
+        if self.rotate_m and self.deterministic:
+            raise ValueError("sm90 backward: rotate_m reorders dQ adds; deterministic mode fixes them")
         if self.lpt and (self.varlen or self.deterministic):
             raise ValueError("sm90 backward: lpt walks fixed-length grids, not deterministic mode")
         if self.dq_before_dk is None:

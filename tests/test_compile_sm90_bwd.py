@@ -134,6 +134,10 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=True, persistent=True, dkv_via_ds=False,
                   dkv_stmatrix=True)
     for d in (64, 128)
+] + [
+    # Query blocks walked from the key block's own offset (the default at d = 256 only).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, rotate_m=True)
+    for d, c in ((64, False), (128, True), (192, False))
 ]
 
 
@@ -144,7 +148,8 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
-             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced")
+             "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced",
+             "rotate_m")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -287,6 +292,17 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
     assert cfg.lpt and cfg.lpt_last_section_short(n, kv_heads) == short
 
 
+def test_sm90_bwd_rotates_the_query_walk_only_at_d256_and_never_in_deterministic_mode() -> None:
+    """The rotated walk measured faster at d = 256 only; deterministic mode's dQ order must not move."""
+    assert BwdSm90Config(target="sm_90a", hdim=256).rotate_m
+    assert BwdSm90Config(target="sm_90a", hdim=256, causal=True, varlen=True).rotate_m
+    assert not BwdSm90Config(target="sm_90a", hdim=256, deterministic=True).rotate_m
+    for d in (64, 96, 128, 192):
+        assert not BwdSm90Config(target="sm_90a", hdim=d).rotate_m
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, rotate_m=True)
+
+
 def test_sm90_bwd_do_stages_only_below_q_stages_in_the_wide_kernel_with_split_loads() -> None:
     """Fewer dO than Q stages: the wide kernel with split loads only (the dO pipeline then has its
     own state); flash-attn-4's d = 192 tile (2 + 1 stages with the dQ writer) fits in smem."""
@@ -374,7 +390,7 @@ CANDIDATE_SWITCHES = {
     "pdl": dict(pdl=True), "dkv-stmatrix": dict(dkv_stmatrix=True),
     "post-stage-smem": dict(post_stage_smem=True), "spin-waits": dict(spin_waits=True),
     "spin-waits-split-loads": dict(spin_waits=True, split_loads=True),
-    "pre-256-threads": dict(pre_threads=256),
+    "pre-256-threads": dict(pre_threads=256), "rotate-m": dict(rotate_m=True),
     "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 
@@ -455,7 +471,7 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
                          + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
 @pytest.mark.parametrize("switch", ["ds_stmatrix=0", "dkv_stmatrix=1", "dq_before_dk=1", "dq_before_dk=0",
-                                    "prefetch_stats=0"])
+                                    "prefetch_stats=0", "rotate_m=1", "rotate_m=0"])
 def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None:
     """The wide kernel with P and dS by 2-byte stores, dK^T / dV^T by (transposing) stmatrix, with
     and without flash-attn-4's order (P stored under the dP GEMM, dV under the dS store, dQ handed

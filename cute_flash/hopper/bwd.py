@@ -372,10 +372,18 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # (The launcher's ratio saves the division at every CTA's start; the persistent grid keeps
         # its own: there the kernel argument cost 24 bytes of stack.)
         group = mQ.shape[2] // mK.shape[2] if cutlass.const_expr(self.cfg.persistent) else args.qhead_per_kv
+        # ``rotate_m``: key block n walks its query blocks from the n-th one on (wrapping), so the
+        # CTAs of one head add into different dQ rows at any moment instead of all into the same.
+        rot = None
+        if cutlass.const_expr(self.cfg.rotate_m):
+            num_m = m_block_max - m_block_min
+            rot = n_block
+            if rot >= num_m:
+                rot = rot % cutlass.max(num_m, 1)
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                           prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
-                          mSemaphore=args.mSemaphore)
+                          mSemaphore=args.mSemaphore, rot=rot)
         return seqlen, work
 
     # ------------------------------------------------------------------------------------------
@@ -451,7 +459,11 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         grid's 24-register warps (the register budget is the kernel's, not the role's)."""
         num_m = work.m_block_max - work.m_block_min
         g = it // num_m
-        return work.head_kv * work.group + g, work.m_block_min + it - g * num_m
+        local = it - g * num_m
+        if cutlass.const_expr(work.rot is not None):
+            local = local + work.rot
+            local = cutlass.select_(local >= num_m, local - num_m, local)
+        return work.head_kv * work.group + g, work.m_block_min + local
 
     def consumer_ctx(self, smem, tidx):
         """This kernel's MMA partitions, operand fragments and dK / dV accumulators."""
