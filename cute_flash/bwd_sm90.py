@@ -303,7 +303,8 @@ class BwdSm90Config(jit.KernelConfig):
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.rotate_m is None:
-            object.__setattr__(self, "rotate_m", self.hdim in SM90_BWD_ROTATE_M_HDIMS and not self.deterministic)
+            rotate = self.hdim in SM90_BWD_ROTATE_M_HDIMS and not self.deterministic
+            object.__setattr__(self, "rotate_m", rotate)
         if self.rotate_m and self.deterministic:
             raise ValueError("sm90 backward: rotate_m reorders dQ adds; deterministic mode fixes them")
         if self.lpt and (self.varlen or self.deterministic):
