@@ -134,12 +134,14 @@ SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
 # the kernel compiles one walk.
 SM90_BWD_LPT_BALANCED = True
 SM90_NUM_SMS_DEFAULT = 132
-# Session 15 (``tune_bwd_sm90.py``, one run, TFLOP/s, in order -> rotated query-block walk, N = 8k /
-# 16k, non-causal | causal): d = 256 437 -> 450, 438 -> 450 | 437 -> 443, 446 -> 456; d = 192 482
-# -> 494, 513 -> 512 | 474 -> 472, 496 -> 491; d = 128 and 64 (4k-16k) -1 to -4% everywhere but
-# d = 64 non-causal 16k (517 -> 521): in order, the 128 CTAs of a head read each Q / dO block
-# close together in time (L2 hits), which the narrow kernel's shorter blocks feel more.
-SM90_BWD_ROTATE_M_HDIMS = (256,)
+# Session 15 (``tune_bwd_sm90.py``, TFLOP/s, in order -> rotated query-block walk). First run, N =
+# 8k / 16k, non-causal | causal: d = 256 437 -> 450, 438 -> 450 | 437 -> 443, 446 -> 456; d = 192
+# 482 -> 494, 513 -> 512 | 474 -> 472, 496 -> 491; d = 128 and 64 (4k-16k) -1 to -4% everywhere
+# but d = 64 non-causal 16k (517 -> 521): in order, the CTAs of a head read each Q / dO block close
+# together in time (L2 hits), which the narrow kernel's shorter blocks feel more. Second run, d =
+# 256, 5 rounds, N = 2k / 4k / 8k / 16k: non-causal 400 -> 411, 426 -> 443, 435 -> 448, 441 ->
+# 440; causal 360 -> 353, 406 -> 403, 436 -> 430, 452 -> 457. Keyed by (d, masked).
+SM90_BWD_ROTATE_M = {(256, False)}
 # Preprocess CTA size: flash-attn-4's takes 256 threads and ran ~10 us faster at B.N = 16k
 # (session 9 profile); 256 measured within noise at d = 64 / 128 causal 2k / 4k (session 10).
 SM90_BWD_PRE_THREADS = 128
@@ -303,7 +305,7 @@ class BwdSm90Config(jit.KernelConfig):
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.rotate_m is None:
-            rotate = self.hdim in SM90_BWD_ROTATE_M_HDIMS and not self.deterministic
+            rotate = (self.hdim, self.causal or self.local) in SM90_BWD_ROTATE_M and not self.deterministic
             object.__setattr__(self, "rotate_m", rotate)
         if self.rotate_m and self.deterministic:
             raise ValueError("sm90 backward: rotate_m reorders dQ adds; deterministic mode fixes them")

@@ -136,8 +136,8 @@ VARIANTS = [
     for d in (64, 128)
 ] + [
     # Query blocks walked from the key block's own offset (the default at d = 256 only).
-    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, rotate_m=True)
-    for d, c in ((64, False), (128, True), (192, False))
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, rotate_m=True)
+    for d, dv, c in ((64, 64, False), (128, 128, True), (192, 192, False), (192, 128, True))
 ]
 
 
@@ -293,9 +293,11 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
 
 
 def test_sm90_bwd_rotates_the_query_walk_only_at_d256_and_never_in_deterministic_mode() -> None:
-    """The rotated walk measured faster at d = 256 only; deterministic mode's dQ order must not move."""
+    """The rotated walk measured faster at d = 256 without masks only; deterministic mode's dQ
+    order must not move."""
     assert BwdSm90Config(target="sm_90a", hdim=256).rotate_m
-    assert BwdSm90Config(target="sm_90a", hdim=256, causal=True, varlen=True).rotate_m
+    assert BwdSm90Config(target="sm_90a", hdim=256, varlen=True).rotate_m
+    assert not BwdSm90Config(target="sm_90a", hdim=256, causal=True).rotate_m
     assert not BwdSm90Config(target="sm_90a", hdim=256, deterministic=True).rotate_m
     for d in (64, 96, 128, 192):
         assert not BwdSm90Config(target="sm_90a", hdim=d).rotate_m
