@@ -214,9 +214,9 @@ class BwdSm90Config(jit.KernelConfig):
     # of four or five integer divisions at every CTA's start (~900 cycles before the first TMA
     # at d = 64). False: the divisions in the kernel, for A/B runs.
     lpt_walk_plan: bool = True
-    # Key block n starts at its n-th query block and wraps (``FlashBwdSm90.make_work``), so the
-    # CTAs of a head do not all read the same Q / dO block and add into the same dQ rows at once.
-    # Not with deterministic mode (its dQ order is the point). None = ``SM90_BWD_ROTATE_M``.
+    # Key block n starts at its n-th query block and wraps (``FlashBwdSm90.query_block``), so the
+    # CTAs of a head are not all at the same query block at once. Not with deterministic mode (its
+    # dQ order is the point). None = ``SM90_BWD_ROTATE_M`` (where it measured faster).
     rotate_m: bool | None = None
     # The switches below: None = the measured defaults (``SM90_BWD_PDL`` .. ``SM90_BWD_DKV_STMATRIX``).
     # Narrow kernel: read LSE2 / D into registers while the S^T / dP^T wgmmas run instead of after

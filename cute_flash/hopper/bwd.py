@@ -373,7 +373,8 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # its own: there the kernel argument cost 24 bytes of stack.)
         group = mQ.shape[2] // mK.shape[2] if cutlass.const_expr(self.cfg.persistent) else args.qhead_per_kv
         # ``rotate_m``: key block n walks its query blocks from the n-th one on (wrapping), so the
-        # CTAs of one head add into different dQ rows at any moment instead of all into the same.
+        # CTAs of one head are at different query blocks at any moment (measured faster at d = 256
+        # without masks, slower in the narrow kernel: ``SM90_BWD_ROTATE_M``).
         rot = None
         if cutlass.const_expr(self.cfg.rotate_m):
             num_m = m_block_max - m_block_min
@@ -459,11 +460,16 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         grid's 24-register warps (the register budget is the kernel's, not the role's)."""
         num_m = work.m_block_max - work.m_block_min
         g = it // num_m
-        local = it - g * num_m
-        if cutlass.const_expr(work.rot is not None):
-            local = local + work.rot
-            local = cutlass.select_(local >= num_m, local - num_m, local)
-        return work.head_kv * work.group + g, work.m_block_min + local
+        return work.head_kv * work.group + g, FlashBwdSm90.query_block(work, it - g * num_m, num_m)
+
+    @staticmethod
+    def query_block(work, i: Int32, num_m: Int32) -> Int32:
+        """The ``i``-th query block this K/V block visits (of ``num_m``): in order, or from
+        ``work.rot`` on and wrapping (``rotate_m``). Every role's walk goes through here."""
+        if cutlass.const_expr(work.rot is None):
+            return work.m_block_min + i
+        local = i + work.rot
+        return work.m_block_min + cutlass.select_(local >= num_m, local - num_m, local)
 
     def consumer_ctx(self, smem, tidx):
         """This kernel's MMA partitions, operand fragments and dK / dV accumulators."""

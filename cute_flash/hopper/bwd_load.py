@@ -239,11 +239,7 @@ class BwdProducer:
         tQsQ, tQgQ, tdOsdO, tdOgdO = self.qdo_tma_tiles(mQ, mdO, tma_Q, tma_dO, smem, seqlen, work, head)
         num_m = work.m_block_max - work.m_block_min
         for i in cutlass.range(num_m, unroll=1):
-            # The consumers' order (``work_item``): rotated by ``rotate_m``.
-            m_block = work.m_block_min + i
-            if cutlass.const_expr(work.rot is not None):
-                m_block = m_block + work.rot
-                m_block = cutlass.select_(i + work.rot >= num_m, m_block - num_m, m_block)
+            m_block = self.query_block(work, i, num_m)  # the consumers' order (``rotate_m``)
             waits.acquire_empty(pipe_qdo, state, self.spin_waits)
             bar = pipe_qdo.producer_get_barrier(state)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
