@@ -31,6 +31,27 @@ E4M3_MAX = 448.0
 # as subnormals (2^-9 steps). 256 keeps P <= 448. At d = 128, N = 4k on the outlier inputs it
 # takes the rotated error from 9.2e-3 to 8.9e-3 (P unquantized: 8.8e-3).
 P_SCALE = 256.0
+# ``exp_bytes`` P is 2^8.75 p: its largest code is then 0x7E (448, e4m3's largest), and P flushes
+# to zero 0.75 binades lower than with 2^8 (below 2^-7 of the scaled value; at d = 128, N = 4k on
+# the outlier inputs: rotated RMSE 1.02e-2 with 2^8, 9.8e-3 with 2^8.75, 9.5e-3 for e4m3-rounded
+# exponentials).
+EXP_BYTES_LOG2_SCALE = 8.75
+
+
+def e4m3_byte_values() -> torch.Tensor:
+    """fp32 value of every e4m3 byte 0..255 (NaN at 0x7F / 0xFF)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def p_log_bytes(x_log2: torch.Tensor) -> torch.Tensor:
+    """The FP8 kernel's ``exp_bytes`` P: for x = log2 of 2^EXP_BYTES_LOG2_SCALE p, the e4m3
+    byte round(8 x + 56) clamped at 0, read back as its e4m3 value. Byte 8 e + 56 + j is
+    2^e (1 + j / 8), so within a binade the value follows 2^(j / 8) by the chord 1 + j / 8 (at most
+    6% above it, the same for P V's products and their row sums); below 2^-7 P flushes to zero
+    (subnormal bytes 1..7 hold j 2^-9). -inf (masked) gives byte 0."""
+    t = torch.round(x_log2 * 8.0 + 56.0).clamp_min(0.0)
+    t = torch.where(torch.isnan(t), torch.zeros_like(t), t)
+    return e4m3_byte_values().to(x_log2.device)[t.long().clamp_max(0x7E)]
 
 
 def hadamard_signs(d: int, seed: int = 0) -> torch.Tensor:
@@ -179,7 +200,7 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
                       k_descale: torch.Tensor, v_descale: torch.Tensor, *,
                       softmax_scale: float | None = None, causal: bool = False,
                       window_size: tuple[int, int] = (-1, -1), quantize_p: bool = True,
-                      v_perm: bool = False, sum_quantized_p: bool = False
+                      v_perm: bool = False, sum_quantized_p: bool = False, exp_bytes: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out fp32 (B, Nq, H, d), lse (B, H, Nq)) of attention on e4m3 inputs as the FP8 kernel
     computes it: S = (q8 k8^T) * q_descale * k_descale in fp32, softmax statistics in fp32, P =
@@ -187,7 +208,9 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
     (P_SCALE * rowsum) with the row sums of the unquantized P. (The kernel's P uses the running
     max of its online softmax, not the final one; the difference is within e4m3 rounding.)
     ``v_perm``: v8 is kernel-order (B, H_kv, d, N_pad) storage (``quantize_qkv_ref(v_perm=True)``).
-    ``sum_quantized_p``: the row sums of the e4m3 P instead (the kernel's ``sum_mma``)."""
+    ``sum_quantized_p``: the row sums of the e4m3 P instead (the kernel's ``sum_mma``).
+    ``exp_bytes``: P as the kernel's ``exp_bytes`` forms it (``p_log_bytes``, against the row max
+    rounded up to 1/8 in log2 units), with its own row sums."""
     b, nq, h, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
     if v_perm:
@@ -201,6 +224,15 @@ def attention_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, q_de
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if exp_bytes:
+        sl2 = s * math.log2(math.e)
+        ref = torch.ceil(m * (8.0 * math.log2(math.e))) / 8.0
+        p = p_log_bytes(sl2 - ref + EXP_BYTES_LOG2_SCALE) / 2.0 ** EXP_BYTES_LOG2_SCALE
+        rowsum = p.sum(dim=-1, keepdim=True)
+        o = p @ vf * _expand_descale(v_descale, h) / rowsum.clamp_min(torch.finfo(torch.float32).tiny)
+        o = torch.where(rowsum > 0, o, torch.zeros_like(o))
+        lse = (ref * math.log(2.0) + rowsum.log()).squeeze(-1)
+        return o.permute(0, 2, 1, 3), lse
     p = torch.exp(s - m)
     rowsum = p.sum(dim=-1, keepdim=True)
     if quantize_p:
@@ -319,7 +351,7 @@ def outlier_qkv(b: int, n: int, h: int, d: int, *, seed: int = 0, device: str = 
 
 
 def fp8_rmse_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   seed: int = 0) -> dict[str, float]:
+                   seed: int = 0, exp_bytes: bool = False) -> dict[str, float]:
     """RMSE vs an fp64 reference of: bf16 attention (bf16 inputs, bf16 matmuls), FP8 without
     rotation, FP8 with rotation (both through ``attention_fp8_ref``)."""
     ref, _ = attention_ref(q.double(), k.double(), v.double(), causal=causal)
@@ -330,7 +362,8 @@ def fp8_rmse_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     bf16, _ = attention_ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal, upcast=False)
     out = {"bf16": rmse(bf16)}
     for name, rot in (("fp8", False), ("fp8_rotated", True)):
-        o, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=seed), causal=causal)
+        o, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v, rotate_qk=rot, seed=seed), causal=causal,
+                                 exp_bytes=exp_bytes)
         out[name] = rmse(o)
     return out
 

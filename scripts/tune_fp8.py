@@ -22,7 +22,7 @@ from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 
 BOOL_FIELDS = ("pingpong", "intra_wg_overlap", "rescale_o_early", "seed_row_sum", "spin_waits", "v_perm",
-               "sum_mma", "lazy_rescale", "dynamic_tiles")
+               "sum_mma", "lazy_rescale", "dynamic_tiles", "exp_bytes")
 
 
 def parse(var: str) -> dict:

@@ -5,6 +5,7 @@ two fragments' thread-value layouts)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -43,6 +44,10 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, lazy_rescale=Tr
                            (128, dict(varlen=True, causal=True, sum_mma=True)), (128, dict(local=True)),
                            (128, dict(v_perm=True, num_ctas=132, sum_mma=True)),
                            (256, dict(v_perm=True)), (64, dict(causal=True)))]
+# P's e4m3 codes from an FFMA and a max per score, no MUFU (d = 128 with sum_mma).
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, exp_bytes=True, **kw)
+             for kw in (dict(v_perm=True), dict(v_perm=True, causal=True), dict(causal=True),
+                        dict(v_perm=True, num_ctas=132), dict(varlen=True, causal=True))]
 
 
 def _id(c: FwdSm90Fp8Config) -> str:
@@ -51,6 +56,7 @@ def _id(c: FwdSm90Fp8Config) -> str:
     grid = f"-persistent{'-dynamic' if c.dynamic_tiles else ''}" if c.num_ctas else ""
     packed = ("-varlen" if c.varlen else "") + (f"-pack{c.pack_gqa}" if c.pack_gqa > 1 else "")
     sums = ("-sum-mma" if c.sum_mma else "") + ("-lazy-rescale" if c.lazy_rescale else "")
+    sums += "-exp-bytes" if c.exp_bytes else ""
     return f"d{c.hdim}-{mode}" + ("-v-kernel-order" if c.v_perm else "") + emu + grid + packed + sums
 
 
@@ -59,8 +65,11 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
     ptx, cubin = jit.compile_artifacts(cfg)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
     assert not re.search(r"wgmma\.mma_async\S*\.(bf16|f16)\.", ptx)
-    for op in ("cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec", "cvt.rn.satfinite.e4m3x2.f32"):
+    for op in ("cp.async.bulk.tensor", "setmaxnreg.inc", "setmaxnreg.dec"):
         assert op in ptx, op
+    # P to e4m3: by conversion, or (exp_bytes) read off the FFMA results' low bytes.
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) != cfg.exp_bytes
+    assert ("prmt.b32" in ptx and "cvt.rpi.f32.f32" in ptx) == cfg.exp_bytes
     assert "ld.local" not in ptx and "st.local" not in ptx
     # The quad exchange of P: 4 indexed shuffles per 32 keys (per copy of the loop body); with V
     # in the kernel order, none (the few left broadcast scalars).
@@ -86,6 +95,12 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
             assert saved > 0 and saved % (per_body // cfg.exp2_emu) == 0, saved
         assert sass.count("WARPGROUP.DEPBAR") <= 8, "wgmma serialised?"
         assert "STL" not in sass
+    if cfg.exp_bytes and sass:
+        # Per row and block one exponential is left (O's rescale), against one per score.
+        per_body = 2 * cfg.tile_n // 4
+        plain = FwdSm90Fp8Config(**{**cfg.__dict__, "exp_bytes": False})
+        sass0 = ins.cubin_sass_and_usage(jit.compile_artifacts(plain)[1])[0] or ""
+        assert sass.count("MUFU.EX2") * per_body // 2 < sass0.count("MUFU.EX2"), sass.count("MUFU.EX2")
     if cfg.lazy_rescale:
         # One warp vote per O rescale (a uniform branch around its FMULs).
         assert "vote.sync.any" in ptx
@@ -95,7 +110,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
         n8 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3", ptx))
         assert n8 > 0 and n8 % (cfg.tile_n // 32) == 0, n8
         if sass:
-            plain = FwdSm90Fp8Config(**{**cfg.__dict__, "sum_mma": False})
+            plain = FwdSm90Fp8Config(**{**cfg.__dict__, "sum_mma": False, "exp_bytes": False})
             sass0 = ins.cubin_sass_and_usage(jit.compile_artifacts(plain)[1])[0] or ""
             assert sass.count("FADD") < sass0.count("FADD") - 2 * cfg.tile_n // 4
 
@@ -103,7 +118,8 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
                dict(tile_n=80), dict(hdim=256, hdim_v=256, sum_mma=True),
-               dict(hdim=64, hdim_v=64, sum_mma=True)):
+               dict(hdim=64, hdim_v=64, sum_mma=True), dict(exp_bytes=True, sum_mma=False),
+               dict(exp_bytes=True, lazy_rescale=True), dict(hdim=256, hdim_v=256, exp_bytes=True)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
@@ -180,6 +196,56 @@ def test_with_v_in_kernel_order_each_lane_already_holds_its_p_bytes(tile_n: int)
             assert got == stored, (t, kb)
 
 
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_p_codes_are_gathered_into_the_words_the_merge_or_the_exchange_expects(tile_n: int) -> None:
+    """``exp_bytes`` packs the codes straight from the S registers: with V in the kernel order into
+    the words ``merge_own_p`` makes of converted pairs (row r + 8 i halves of accumulator words
+    w, w + 1), else the accumulator's own words (the quad exchange's input)."""
+    from cute_flash.hopper.fwd_fp8 import p_code_sources
+
+    acc_words = [[4 * w + j for j in range(4)] for w in range(tile_n // 8)]
+    merged = []
+    for kb in range(tile_n // 32):
+        for h in range(2):
+            w0, w1 = acc_words[4 * kb + 2 * h], acc_words[4 * kb + 2 * h + 1]
+            merged += [[w0[0], w0[1], w1[0], w1[1]], [w0[2], w0[3], w1[2], w1[3]]]
+    assert [list(x) for x in p_code_sources(tile_n, v_perm=True)] == merged
+    assert [list(x) for x in p_code_sources(tile_n, v_perm=False)] == acc_words
+
+
+def test_p_code_from_the_ffma_low_byte_is_the_references_rounded_code() -> None:
+    """The bit trick of ``kernels.convert.e4m3_exp_byte``: fp32(s * 8 c + addend - ref8) lies in
+    [2^23, 2^24), where the ulp is 1, so its low byte is round-to-nearest-even of 8 x + 56 -- the
+    code ``fp8_ref.p_log_bytes`` takes; clamped at 1.5 * 2^23 (code 0) below the normal range and
+    for masked (-inf) scores."""
+    import numpy as np
+    import torch
+
+    from cute_flash.fp8_ref import EXP_BYTES_LOG2_SCALE, e4m3_byte_values, p_log_bytes
+    from cute_flash.kernels.convert import E4M3_MAGIC, exp_byte_addend
+
+    rng = np.random.default_rng(0)
+    c = np.float32(1.0 / math.sqrt(128) * math.log2(math.e))
+    s = rng.normal(0.0, 4.0, 200_000).astype(np.float32)
+    s[::97] = -np.inf
+    m = np.float32(np.max(s))
+    scale8 = np.float32(c * np.float32(8.0))
+    ref8 = np.ceil(np.float32(m * scale8))
+    addend = np.float32(np.float32(exp_byte_addend(EXP_BYTES_LOG2_SCALE)) - ref8)
+    assert float(addend) == exp_byte_addend(EXP_BYTES_LOG2_SCALE) - float(ref8)  # exact integer
+    with np.errstate(invalid="ignore"):
+        y = (s.astype(np.float64) * np.float64(scale8) + np.float64(addend)).astype(np.float32)
+    y = np.where(np.isnan(y) | (y < E4M3_MAGIC), np.float32(E4M3_MAGIC), y)
+    codes = y.view(np.uint32) & 0xFF
+    assert codes.max() <= 0x7E and (codes[::97] == 0).all()
+    want = p_log_bytes(torch.from_numpy(s.astype(np.float64) * float(c) - float(ref8) / 8.0
+                                        + EXP_BYTES_LOG2_SCALE))
+    got = e4m3_byte_values()[torch.from_numpy(codes.astype(np.int64))].double()
+    # The reference computes x in fp64, the kernel in one fp32 FFMA: a code may differ at a tie.
+    assert (got != want.double()).double().mean().item() < 1e-4
+    assert torch.allclose(got, want.double(), rtol=0.13, atol=2.0 ** -9)
+
+
 def test_kernel_order_v_round_trips_and_pads_with_zeros() -> None:
     import torch
 
@@ -221,10 +287,10 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
                 **overrides)
     torch.cuda.synchronize()
     # The config run_fwd_fp8 builds decides whether the row sums come from the tensor cores.
-    sum_mma = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, v_perm=v_perm,
-                               **overrides).sum_mma
+    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, v_perm=v_perm, **overrides)
+    sum_mma = cfg.sum_mma
     ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
-                                     v_perm=v_perm, sum_quantized_p=sum_mma)
+                                     v_perm=v_perm, sum_quantized_p=sum_mma, exp_bytes=cfg.exp_bytes)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     _check_lse(lse, ref_lse, sum_mma)
@@ -285,6 +351,28 @@ def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_pe
     b, nq = (3, 700) if nk < 1000 else (1, 640)
     _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
                          dynamic_tiles=causal and ctas > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("causal,v_perm,grid,nk", [
+    (False, True, "tiles", 517), (True, True, "tiles", 517), (True, False, "tiles", 517),
+    (False, False, "tiles", 517), (True, True, "persistent", 517), (False, True, "persistent", 517),
+    (False, True, "tiles", 8200), (True, False, "tiles", 8200)])
+def test_fp8_p_codes_from_the_ffma_match_the_reference(causal: bool, v_perm: bool, grid: str,
+                                                        nk: int) -> None:
+    """``exp_bytes``: P's e4m3 codes read off one FFMA per score against the row max rounded up to
+    1/8 in log2 units, against ``attention_fp8_ref(exp_bytes=True)``: the running max moves the
+    codes by whole steps, so the kernel and the reference differ only where the chord's steps
+    differ (<= 6%) and by summation order."""
+    import torch
+
+    from cute_flash.fwd_sm90 import sm_count
+
+    ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
+    b, nq = (3, 700) if nk < 1000 else (1, 640)
+    _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=7, v_perm=v_perm, sum_mma=True, exp_bytes=True,
+                         num_ctas=ctas, dynamic_tiles=causal and ctas > 0)
 
 
 @pytest.mark.gpu

@@ -115,6 +115,7 @@ class FlashFwdSm90:
         self.p_log2_offset = 0.0
         self.softmax_sums_rows = True  # (the FP8 kernel's ``sum_mma`` sums P on the tensor cores)
         self.rescale_threshold = 0.0  # (the FP8 kernel's ``lazy_rescale``)
+        self.softmax_exp_bytes = False  # (the FP8 kernel's ``exp_bytes``)
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -518,7 +519,7 @@ class FlashFwdSm90:
                                 max_chains=self.cfg.max_chains,
                                 seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
                                 p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows,
-                                rescale_threshold=self.rescale_threshold)
+                                rescale_threshold=self.rescale_threshold, exp_bytes=self.softmax_exp_bytes)
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)

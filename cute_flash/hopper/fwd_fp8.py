@@ -31,8 +31,9 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_flash.ampere import common
-from cute_flash.fp8_ref import P_SCALE
+from cute_flash.fp8_ref import EXP_BYTES_LOG2_SCALE, P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
+from cute_flash.kernels.convert import pack_low_bytes
 from cute_flash.kernels.layout import acc_to_mn
 
 # Columns of the ones block (the narrowest wgmma N).
@@ -85,6 +86,22 @@ def merge_own_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
             words[4 * kb + 2 * h + 1] = ((w0 >> 16) & 0xFFFF) | (w1 & -65536)
 
 
+def p_code_sources(tile_n: int, v_perm: bool) -> list[tuple[int, int, int, int]]:
+    """For each 32-bit word of a thread's e4m3 P, the S accumulator registers whose codes it holds
+    (byte 0 first). Accumulator word w is [row r pair, row r + 8 pair] of column group w; with V in
+    the kernel order the words are those ``merge_own_p`` builds (row r + 8 i halves of words w, w +
+    1, w even), else the accumulator's own order (the quad exchange follows)."""
+    out = []
+    for w in range(0, tile_n // 8, 2):
+        for i in range(2):
+            if v_perm:
+                out.append((4 * w + 2 * i, 4 * w + 2 * i + 1, 4 * w + 4 + 2 * i, 4 * w + 5 + 2 * i))
+            else:
+                u = w + i
+                out.append((4 * u, 4 * u + 1, 4 * u + 2, 4 * u + 3))
+    return out
+
+
 class FlashFwdSm90Fp8(FlashFwdSm90):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -93,7 +110,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.tx_Q = self.tile_m * self.hdim
         self.tx_K = self.tile_n * self.hdim
         self.tx_V = self.tile_n * self.hdim_v
-        self.p_log2_offset = math.log2(P_SCALE)
+        self.p_log2_offset = EXP_BYTES_LOG2_SCALE if cfg.exp_bytes else math.log2(P_SCALE)
+        self.softmax_exp_bytes = cfg.exp_bytes
         self.softmax_sums_rows = not cfg.sum_mma
         self.rescale_threshold = LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0
 
@@ -235,12 +253,25 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     @cute.jit
     def convert_p(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
+        if cutlass.const_expr(self.cfg.exp_bytes):
+            self.pack_p_codes(acc_S, rP)
+            return
         # P arrives as P_SCALE * p (``p_log2_offset``): small probabilities stay out of e4m3's
         # subnormals (fp8_ref.P_SCALE) without a multiply per score.
         rP.store(acc_S.load().to(self.dtype))
         if cutlass.const_expr(self.cfg.v_perm):
             merge_own_p(rP, self.tile_n // 32)
         else:
+            quad_exchange_p(rP, self.tile_n // 32)
+
+    @cute.jit
+    def pack_p_codes(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
+        """``exp_bytes``: the e4m3 codes sit in the low bytes of the S registers; gather them four
+        to a word (``p_code_sources``), then the quad exchange unless V is in the kernel order."""
+        words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(self.tile_n // 8))
+        for u, (a, b, c, d) in enumerate(p_code_sources(self.tile_n, self.cfg.v_perm)):
+            words[u] = pack_low_bytes(acc_S[a], acc_S[b], acc_S[c], acc_S[d])
+        if cutlass.const_expr(not self.cfg.v_perm):
             quad_exchange_p(rP, self.tile_n // 32)
 
     def p_operand(self, rP: cute.Tensor) -> cute.Tensor:

@@ -16,6 +16,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_flash.kernels.convert import ceil_f32, e4m3_exp_byte, exp_byte_addend
 from cute_flash.kernels.layout import acc_to_mn
 
 LOG2_E = math.log2(math.e)
@@ -86,8 +87,15 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False,
                  exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True,
-                 rescale_threshold: float = 0.0):
+                 rescale_threshold: float = 0.0, exp_bytes: bool = False):
         self.scale_log2 = scale_log2
+        # FP8 P as e4m3 codes computed by one FFMA + one max per score (``e4m3_exp_byte``), no
+        # MUFU: at d = 128 the exponentials alone take as long as both GEMMs of a block (16 per
+        # clock per SM). The row's reference is its max rounded up to 1/8 in log2 units, so the
+        # FFMA's addend is an integer (exact next to 1.5 * 2^23); P's codes are then relative to
+        # it. Needs the caller's row sums (of the same codes, ``sum_rows=False``).
+        self.exp_bytes = exp_bytes
+        assert not (exp_bytes and (sum_rows or rescale_threshold > 0.0))
         # > 0: a row keeps its old maximum unless the new one is larger by more than this (log2
         # units), so most blocks after the first few need no rescale of O at all (the caller
         # skips it when every row's factor is 1). P may then exceed 2^offset by up to
@@ -139,7 +147,16 @@ class OnlineSoftmax:
             m_p = m_scaled
             if cutlass.const_expr(self.p_log2_offset != 0.0):
                 m_p = m_scaled - Float32(self.p_log2_offset)
-            if cutlass.const_expr(not self.sum_rows):
+            if cutlass.const_expr(self.exp_bytes):
+                ref8 = self.ref8(m_new)
+                row_scale[r] = Float32(1.0)
+                if cutlass.const_expr(not is_first):
+                    row_scale[r] = cute.math.exp2((self.ref8(m_old) - ref8) * Float32(0.125), fastmath=True)
+                bias = Float32(exp_byte_addend(self.p_log2_offset)) - ref8
+                scale8 = self.scale_log2 * Float32(8.0)
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    acc_mn[r, c] = e4m3_exp_byte(acc_mn[r, c], scale8, bias)
+            elif cutlass.const_expr(not self.sum_rows):
                 row_scale[r] = Float32(1.0)
                 if cutlass.const_expr(not is_first):
                     row_scale[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
@@ -164,6 +181,12 @@ class OnlineSoftmax:
                     row_scale[r] = scale
                     self.row_sum[r] = self.row_sum[r] * scale + psum
         return row_scale
+
+    @cute.jit
+    def ref8(self, m: Float32) -> Float32:
+        """8 x the row's reference in log2 units (``exp_bytes``): ceil(8 m scale_log2), 0 for a
+        row with no key yet."""
+        return ceil_f32((m if m != -Float32.inf else Float32(0.0)) * (self.scale_log2 * Float32(8.0)))
 
     @cute.jit
     def _exp2_row(self, acc_mn: cute.Tensor, r: int, row, m_scaled: Float32):
@@ -197,7 +220,10 @@ class OnlineSoftmax:
             log2_sum = cute.math.log2(s, fastmath=True)
             if cutlass.const_expr(self.p_log2_offset != 0.0):
                 log2_sum = log2_sum - Float32(self.p_log2_offset)
-            lse = (self.row_max[r] * self.scale_log2 + log2_sum) * LN_2
+            ref = self.row_max[r] * self.scale_log2
+            if cutlass.const_expr(self.exp_bytes):
+                ref = self.ref8(self.row_max[r]) * Float32(0.125)
+            lse = (ref + log2_sum) * LN_2
             self.row_sum[r] = -Float32.inf if empty else lse
         return row_scale
 
