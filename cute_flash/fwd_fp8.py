@@ -79,12 +79,16 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # first blocks is most of them (flash-attn-4's trick on Blackwell, with its larger bf16
     # threshold). Compiled, not yet measured: off.
     lazy_rescale: bool = False
-    # P's e4m3 codes from one FFMA and one max per score (``kernels/convert.e4m3_exp_byte``)
-    # instead of an exponential on the MUFU and a conversion: the code round(8 x + 56) of
+    # P's e4m3 codes from one FFMA per score, a conversion per two and a byte permute per four
+    # (``kernels/convert.py``) instead of an exponential on the MUFU: the code round(8 x + 56) of
     # 2^x is read off e4m3's own layout (8 codes per binade), within a binade the chord 1 + j / 8
     # of 2^(j / 8) (at most 6% above it; P V and the row sums see the same codes), flushing below
     # 2^-7 of the scaled P (``fp8_ref.p_log_bytes``, ``EXP_BYTES_LOG2_SCALE``). Needs ``sum_mma``.
-    exp_bytes: bool = False
+    # None: on wherever ``sum_mma`` is (session 16, d = 128, V in the kernel order, TFLOP/s, 8k /
+    # 16k non-causal | causal: 944 / 975 | 857 / 929 -> 1033 / 1055 | 967 / 1019 with the first
+    # build (an FFMA, a max and 3/4 byte permute per score); outlier-experiment RMSE 8.7e-3 ->
+    # 9.0e-3).
+    exp_bytes: bool | None = None
 
     kernel_name = "fwd_sm90_fp8"
 
@@ -124,6 +128,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
             # d = 256: its tiles already fill the 227 KiB, and it is tensor-bound anyway. d = 64
             # (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
             raise ValueError("FP8 forward: sum_mma at d = 128 only")
+        if self.exp_bytes is None:
+            object.__setattr__(self, "exp_bytes", bool(self.sum_mma and not self.lazy_rescale and not self.exp2_emu))
         if self.exp_bytes and not (self.sum_mma and not self.lazy_rescale and not self.exp2_emu):
             raise ValueError("FP8 forward: exp_bytes needs sum_mma, without lazy_rescale or exp2_emu")
         super().__post_init__()

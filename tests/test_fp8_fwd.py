@@ -69,7 +69,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
         assert op in ptx, op
     # P to e4m3: by conversion, or (exp_bytes) read off the FFMA results' low bytes.
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) != cfg.exp_bytes
-    assert ("prmt.b32" in ptx and "cvt.rpi.f32.f32" in ptx) == cfg.exp_bytes
+    assert ("cvt.rn.relu.f16x2.f32" in ptx and "cvt.rpi.f32.f32" in ptx) == cfg.exp_bytes
     assert "ld.local" not in ptx and "st.local" not in ptx
     # The quad exchange of P: 4 indexed shuffles per 32 keys (per copy of the loop body); with V
     # in the kernel order, none (the few left broadcast scalars).
@@ -213,37 +213,37 @@ def test_p_codes_are_gathered_into_the_words_the_merge_or_the_exchange_expects(t
     assert [list(x) for x in p_code_sources(tile_n, v_perm=False)] == acc_words
 
 
-def test_p_code_from_the_ffma_low_byte_is_the_references_rounded_code() -> None:
-    """The bit trick of ``kernels.convert.e4m3_exp_byte``: fp32(s * 8 c + addend - ref8) lies in
-    [2^23, 2^24), where the ulp is 1, so its low byte is round-to-nearest-even of 8 x + 56 -- the
-    code ``fp8_ref.p_log_bytes`` takes; clamped at 1.5 * 2^23 (code 0) below the normal range and
-    for masked (-inf) scores."""
+def test_p_code_from_the_ffma_and_f16_conversion_is_the_references_rounded_code() -> None:
+    """The arithmetic of ``exp_bytes``: fp32(s * 8 c 2^-24 + (code(2^offset) - ref8) 2^-24) is
+    the code times 2^-24, an f16 subnormal whose ulp is 2^-24, so the (relu) f32 -> f16 conversion
+    rounds it to the nearest-even integer code -- the one ``fp8_ref.p_log_bytes`` takes -- with
+    codes below 0 and masked (-inf) scores at +0."""
     import numpy as np
     import torch
 
     from cute_flash.fp8_ref import EXP_BYTES_LOG2_SCALE, e4m3_byte_values, p_log_bytes
-    from cute_flash.kernels.convert import E4M3_MAGIC, exp_byte_addend
+    from cute_flash.kernels.convert import CODE_UNIT, exp_code_offset
 
     rng = np.random.default_rng(0)
     c = np.float32(1.0 / math.sqrt(128) * math.log2(math.e))
     s = rng.normal(0.0, 4.0, 200_000).astype(np.float32)
     s[::97] = -np.inf
     m = np.float32(np.max(s))
-    scale8 = np.float32(c * np.float32(8.0))
-    ref8 = np.ceil(np.float32(m * scale8))
-    addend = np.float32(np.float32(exp_byte_addend(EXP_BYTES_LOG2_SCALE)) - ref8)
-    assert float(addend) == exp_byte_addend(EXP_BYTES_LOG2_SCALE) - float(ref8)  # exact integer
+    ref8 = np.ceil(np.float32(m * np.float32(c * np.float32(8.0))))
+    scale = np.float32(c * np.float32(8.0 * CODE_UNIT))
+    bias = np.float32((np.float32(exp_code_offset(EXP_BYTES_LOG2_SCALE)) - ref8) * np.float32(CODE_UNIT))
+    assert float(bias) / CODE_UNIT == exp_code_offset(EXP_BYTES_LOG2_SCALE) - float(ref8)  # exact
     with np.errstate(invalid="ignore"):
-        y = (s.astype(np.float64) * np.float64(scale8) + np.float64(addend)).astype(np.float32)
-    y = np.where(np.isnan(y) | (y < E4M3_MAGIC), np.float32(E4M3_MAGIC), y)
-    codes = y.view(np.uint32) & 0xFF
+        x = (s.astype(np.float64) * np.float64(scale) + np.float64(bias)).astype(np.float32)
+    half = np.maximum(x, np.float32(0.0)).astype(np.float16)  # round to nearest even, subnormal
+    codes = half.view(np.uint16).astype(np.int64)
     assert codes.max() <= 0x7E and (codes[::97] == 0).all()
     want = p_log_bytes(torch.from_numpy(s.astype(np.float64) * float(c) - float(ref8) / 8.0
-                                        + EXP_BYTES_LOG2_SCALE))
-    got = e4m3_byte_values()[torch.from_numpy(codes.astype(np.int64))].double()
+                                        + EXP_BYTES_LOG2_SCALE)).double()
+    got = e4m3_byte_values()[torch.from_numpy(codes)].double()
     # The reference computes x in fp64, the kernel in one fp32 FFMA: a code may differ at a tie.
-    assert (got != want.double()).double().mean().item() < 1e-4
-    assert torch.allclose(got, want.double(), rtol=0.13, atol=2.0 ** -9)
+    assert (got != want).double().mean().item() < 1e-4
+    assert torch.allclose(got, want, rtol=0.13, atol=2.0 ** -9)
 
 
 def test_kernel_order_v_round_trips_and_pads_with_zeros() -> None:
@@ -349,7 +349,8 @@ def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_pe
 
     ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
     b, nq = (3, 700) if nk < 1000 else (1, 640)
-    _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, num_ctas=ctas,
+    _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=5, v_perm=v_perm, sum_mma=True, exp_bytes=False,
+                         num_ctas=ctas,
                          dynamic_tiles=causal and ctas > 0)
 
 
@@ -498,10 +499,11 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, window_size=window,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
     torch.cuda.synchronize()
-    sum_mma = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1),
-                               varlen=True).sum_mma
+    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1), varlen=True)
+    sum_mma = cfg.sum_mma
     ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
-                                            causal=causal, window_size=window, sum_quantized_p=sum_mma)
+                                            causal=causal, window_size=window, sum_quantized_p=sum_mma,
+                                            exp_bytes=cfg.exp_bytes)
     err = (out.float() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
     _check_lse(lse, ref_lse, sum_mma)

@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.ampere import common
 from cute_flash.fp8_ref import EXP_BYTES_LOG2_SCALE, P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
-from cute_flash.kernels.convert import pack_low_bytes
+from cute_flash.kernels.convert import pack_codes
 from cute_flash.kernels.layout import acc_to_mn
 
 # Columns of the ones block (the narrowest wgmma N).
@@ -266,11 +266,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     @cute.jit
     def pack_p_codes(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
-        """``exp_bytes``: the e4m3 codes sit in the low bytes of the S registers; gather them four
-        to a word (``p_code_sources``), then the quad exchange unless V is in the kernel order."""
+        """``exp_bytes``: the S registers hold e4m3 codes times 2^-24; four to a word
+        (``p_code_sources``, ``kernels.convert.pack_codes``), then the quad exchange unless V is
+        in the kernel order."""
         words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(self.tile_n // 8))
         for u, (a, b, c, d) in enumerate(p_code_sources(self.tile_n, self.cfg.v_perm)):
-            words[u] = pack_low_bytes(acc_S[a], acc_S[b], acc_S[c], acc_S[d])
+            words[u] = pack_codes(acc_S[a], acc_S[b], acc_S[c], acc_S[d])
         if cutlass.const_expr(not self.cfg.v_perm):
             quad_exchange_p(rP, self.tile_n // 32)
 

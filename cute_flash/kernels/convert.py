@@ -34,16 +34,18 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor) -> None:
 
 
 # --- FP8 P straight from the exponent arithmetic (``exp_bytes``) ---------------------------------
-# 1.5 * 2^23: in [2^23, 2^24) an fp32's ulp is 1, so MAGIC + t (t integer, |t| < 2^22) holds t in
-# its low mantissa bits -- for 0 <= t < 256, exactly the low byte (the next byte is zero).
-E4M3_MAGIC = 12582912.0
-# The code of 2^x is round(8 x) + 56 (e4m3's exponent bias 7, 8 codes per binade).
+# The e4m3 code of 2^x is round(8 x) + 56 (exponent bias 7, 8 codes per binade). The softmax's
+# FFMA computes that code times 2^-24: converted to f16 it is a subnormal, whose ulp is 2^-24, so
+# the f32 -> f16x2 conversion rounds it to the integer code, and its .relu clamps everything below
+# code 0 (P under 2^-7 of its scaled range, masked -inf) to +0. The code is then the low byte of
+# its f16 half: one FFMA per score, one conversion per two, one byte permute per four.
 E4M3_CODE_BIAS = 56.0
+CODE_UNIT = 2.0 ** -24
 
 
-def exp_byte_addend(p_log2_offset: float) -> float:
-    """The FFMA addend of ``e4m3_exp_byte`` before the row's reference (8 x it) is subtracted."""
-    return E4M3_MAGIC + E4M3_CODE_BIAS + 8.0 * p_log2_offset
+def exp_code_offset(p_log2_offset: float) -> float:
+    """The code of P = 2^offset (the row's reference): the FFMA's addend is (this - 8 ref) * 2^-24."""
+    return E4M3_CODE_BIAS + 8.0 * p_log2_offset
 
 
 def _asm_f32(args, body: str, constraints: str, *, loc=None, ip=None) -> Float32:
@@ -53,15 +55,9 @@ def _asm_f32(args, body: str, constraints: str, *, loc=None, ip=None) -> Float32
 
 
 @dsl_user_op
-def e4m3_exp_byte(s: Float32, scale8: Float32, bias: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32 whose low byte is the e4m3 code round(s * scale8 + bias - MAGIC), clamped at 0:
-    with scale8 = 8 log2(e) * scale and bias = MAGIC + 56 + 8 (offset - ref), the byte of
-    2^(x + offset) by the e4m3 code's own layout (8 codes per binade: exponent in the high bits,
-    the rounded eighth in the low three), so P needs neither the MUFU nor a conversion. Masked
-    scores (-inf) clamp to MAGIC: byte 0, +0."""
-    return _asm_f32([s, scale8, bias],
-                    "{\n.reg .f32 t;\nfma.rn.f32 t, $1, $2, $3;\nmax.f32 $0, t, 0f4B400000;\n}",
-                    "=f,f,f,f", loc=loc, ip=ip)
+def fma_f32(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c, rounded once."""
+    return _asm_f32([a, b, c], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -70,10 +66,10 @@ def ceil_f32(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def pack_low_bytes(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
-    """The low bytes of four 32-bit registers as one word (a in byte 0): three byte permutes."""
+def pack_codes(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four scaled codes (``code * 2^-24``) as one word of e4m3 bytes, a in byte 0."""
     return Int32(llvm.inline_asm(
         T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "{\n.reg .b32 lo, hi;\nprmt.b32 lo, $1, $2, 0x0040;\nprmt.b32 hi, $3, $4, 0x0040;\n"
-        "prmt.b32 $0, lo, hi, 0x5410;\n}",
+        "{\n.reg .b32 lo, hi;\ncvt.rn.relu.f16x2.f32 lo, $2, $1;\ncvt.rn.relu.f16x2.f32 hi, $4, $3;\n"
+        "prmt.b32 $0, lo, hi, 0x6420;\n}",
         "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -16,7 +16,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_flash.kernels.convert import ceil_f32, e4m3_exp_byte, exp_byte_addend
+from cute_flash.kernels.convert import CODE_UNIT, ceil_f32, exp_code_offset, fma_f32
 from cute_flash.kernels.layout import acc_to_mn
 
 LOG2_E = math.log2(math.e)
@@ -89,11 +89,11 @@ class OnlineSoftmax:
                  exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True,
                  rescale_threshold: float = 0.0, exp_bytes: bool = False):
         self.scale_log2 = scale_log2
-        # FP8 P as e4m3 codes computed by one FFMA + one max per score (``e4m3_exp_byte``), no
+        # FP8 P as e4m3 codes (times 2^-24, ``kernels/convert.py``) from one FFMA per score, no
         # MUFU: at d = 128 the exponentials alone take as long as both GEMMs of a block (16 per
         # clock per SM). The row's reference is its max rounded up to 1/8 in log2 units, so the
-        # FFMA's addend is an integer (exact next to 1.5 * 2^23); P's codes are then relative to
-        # it. Needs the caller's row sums (of the same codes, ``sum_rows=False``).
+        # codes move by whole steps when it grows and the FFMA's addend is exact. Needs the
+        # caller's row sums (of the same codes, ``sum_rows=False``).
         self.exp_bytes = exp_bytes
         assert not (exp_bytes and (sum_rows or rescale_threshold > 0.0))
         # > 0: a row keeps its old maximum unless the new one is larger by more than this (log2
@@ -152,10 +152,10 @@ class OnlineSoftmax:
                 row_scale[r] = Float32(1.0)
                 if cutlass.const_expr(not is_first):
                     row_scale[r] = cute.math.exp2((self.ref8(m_old) - ref8) * Float32(0.125), fastmath=True)
-                bias = Float32(exp_byte_addend(self.p_log2_offset)) - ref8
-                scale8 = self.scale_log2 * Float32(8.0)
+                bias = (Float32(exp_code_offset(self.p_log2_offset)) - ref8) * Float32(CODE_UNIT)
+                scale = self.scale_log2 * Float32(8.0 * CODE_UNIT)
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    acc_mn[r, c] = e4m3_exp_byte(acc_mn[r, c], scale8, bias)
+                    acc_mn[r, c] = fma_f32(acc_mn[r, c], scale, bias)
             elif cutlass.const_expr(not self.sum_rows):
                 row_scale[r] = Float32(1.0)
                 if cutlass.const_expr(not is_first):
