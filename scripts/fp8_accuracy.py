@@ -10,12 +10,12 @@ import argparse
 import math
 
 import torch
+from tune_fp8 import parse
 
 from cute_flash.fp8_ref import outlier_qkv
 from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 from cute_flash.reference import attention_ref
-from tune_fp8 import parse
 
 
 def main() -> None:

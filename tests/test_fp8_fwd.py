@@ -460,7 +460,9 @@ def test_callers_dense_e4m3_v_is_relaid_into_the_kernel_order_and_matches_the_re
     q, k, v = torch.randn(2, 200, 4, 128), torch.randn(2, 333, 2, 128), torch.randn(2, 333, 2, 128)
     q8, k8, v8, qd, kd, vd = quantize_qkv_ref(q, k, v, rotate_qk=True, seed=1)
     v8 = v8.contiguous()  # a caller's dense V, not quantize_qkv's token-contiguous one
-    ref, _ = attention_fp8_ref(q8, k8, v8, qd, kd, vd, causal=True)
+    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, causal=True, v_perm=True)
+    ref, _ = attention_fp8_ref(q8, k8, v8, qd, kd, vd, causal=True, sum_quantized_p=cfg.sum_mma,
+                               exp_bytes=cfg.exp_bytes)
     out = flash_attn_func(*(t.cuda() for t in (q8, k8, v8)), causal=True, q_descale=qd.cuda(),
                           k_descale=kd.cuda(), v_descale=vd.cuda()).cpu().float()
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
@@ -499,7 +501,8 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     run_fwd_fp8(q8, k8, v_store, qd, kd, vd, out, lse, softmax_scale=scale, causal=causal, window_size=window,
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), cu_seqlens_v=cu_v)
     torch.cuda.synchronize()
-    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1), varlen=True)
+    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1),
+                           varlen=True)
     sum_mma = cfg.sum_mma
     ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
                                             causal=causal, window_size=window, sum_quantized_p=sum_mma,

@@ -269,7 +269,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         """``exp_bytes``: the S registers hold e4m3 codes times 2^-24; four to a word
         (``p_code_sources``, ``kernels.convert.pack_codes``), then the quad exchange unless V is
         in the kernel order."""
-        words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(self.tile_n // 8))
+        words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32),
+                                 cute.make_layout(self.tile_n // 8))
         for u, (a, b, c, d) in enumerate(p_code_sources(self.tile_n, self.cfg.v_perm)):
             words[u] = pack_codes(acc_S[a], acc_S[b], acc_S[c], acc_S[d])
         if cutlass.const_expr(not self.cfg.v_perm):
