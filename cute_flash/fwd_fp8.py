@@ -125,10 +125,9 @@ class FwdSm90Fp8Config(FwdSm90Config):
                 object.__setattr__(self, name, value)
         if self.tile_n % 32:
             raise ValueError("FP8 forward: tile_n must be a multiple of 32 (k32 P V)")
-        if self.sum_mma and self.hdim != 128:
-            # d = 256: its tiles already fill the 227 KiB, and it is tensor-bound anyway. d = 64
-            # (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
-            raise ValueError("FP8 forward: sum_mma at d = 128 only")
+        if self.sum_mma and self.hdim == 64:
+            # d = 64 (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
+            raise ValueError("FP8 forward: no sum_mma at d = 64")
         if self.exp_bytes is None:
             on = self.sum_mma and not self.lazy_rescale and not self.exp2_emu
             object.__setattr__(self, "exp_bytes", bool(on))
@@ -139,11 +138,16 @@ class FwdSm90Fp8Config(FwdSm90Config):
             raise ValueError("FP8 forward: O (16 bit) needs its own smem buffer beside 1-byte Q")
 
     def smem_bytes(self, separate_o: bool) -> int:
-        """1-byte Q / K / V tiles, 16-bit O (and ``sum_mma``'s block of ones)."""
+        """1-byte Q / K / V tiles, 16-bit O (and ``sum_mma``'s block of ones): the Storage struct's
+        size -- the mbarriers, then every buffer 1024-aligned (the swizzle atoms' period). Exact,
+        not padded: d = 256 with ``sum_mma`` leaves 1 KiB of the 227."""
+        def r(n: int) -> int:
+            return (n + 1023) // 1024 * 1024
+
         q, o = self.tile_m * self.hdim, self.tile_m * self.hdim_v * 2
-        kv = self.stages * self.tile_n * (self.hdim + self.hdim_v)
-        ones = (8 * self.tile_n + 1023) // 1024 * 1024 if self.sum_mma else 0
-        return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024 + ones
+        k, v = self.stages * self.tile_n * self.hdim, self.stages * self.tile_n * self.hdim_v
+        ones = r(8 * self.tile_n) if self.sum_mma else 0
+        return 1024 + r(k) + r(v) + (r(q) + r(o) if separate_o else r(max(q, o))) + ones
 
     def build(self):
         from cute_flash.hopper.fwd_fp8 import FlashFwdSm90Fp8

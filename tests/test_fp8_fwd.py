@@ -48,6 +48,8 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, lazy_rescale=Tr
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, exp_bytes=True, **kw)
              for kw in (dict(v_perm=True), dict(v_perm=True, causal=True), dict(causal=True),
                         dict(v_perm=True, num_ctas=132), dict(varlen=True, causal=True))]
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256, sum_mma=True, exp_bytes=True, **kw)
+             for kw in (dict(v_perm=True), dict(v_perm=True, causal=True), dict(varlen=True))]
 
 
 def _id(c: FwdSm90Fp8Config) -> str:
@@ -117,7 +119,7 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
-               dict(tile_n=80), dict(hdim=256, hdim_v=256, sum_mma=True),
+               dict(tile_n=80),
                dict(hdim=64, hdim_v=64, sum_mma=True), dict(exp_bytes=True, sum_mma=False),
                dict(exp_bytes=True, lazy_rescale=True), dict(hdim=256, hdim_v=256, exp_bytes=True)):
         with pytest.raises(ValueError):
@@ -356,11 +358,13 @@ def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_pe
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
-@pytest.mark.parametrize("causal,v_perm,grid,nk", [
-    (False, True, "tiles", 517), (True, True, "tiles", 517), (True, False, "tiles", 517),
-    (False, False, "tiles", 517), (True, True, "persistent", 517), (False, True, "persistent", 517),
-    (False, True, "tiles", 8200), (True, False, "tiles", 8200)])
-def test_fp8_p_codes_from_the_ffma_match_the_reference(causal: bool, v_perm: bool, grid: str,
+@pytest.mark.parametrize("d,causal,v_perm,grid,nk", [
+    (128, False, True, "tiles", 517), (128, True, True, "tiles", 517), (128, True, False, "tiles", 517),
+    (128, False, False, "tiles", 517), (128, True, True, "persistent", 517),
+    (128, False, True, "persistent", 517), (128, False, True, "tiles", 8200),
+    (128, True, False, "tiles", 8200), (256, False, True, "tiles", 517), (256, True, True, "tiles", 8200),
+    (256, True, False, "persistent", 517)])
+def test_fp8_p_codes_from_the_ffma_match_the_reference(d: int, causal: bool, v_perm: bool, grid: str,
                                                         nk: int) -> None:
     """``exp_bytes``: P's e4m3 codes read off one FFMA per score against the row max rounded up to
     1/8 in log2 units, against ``attention_fp8_ref(exp_bytes=True)``: the running max moves the
@@ -372,7 +376,7 @@ def test_fp8_p_codes_from_the_ffma_match_the_reference(causal: bool, v_perm: boo
 
     ctas = sm_count(torch.device("cuda")) if grid == "persistent" else 0
     b, nq = (3, 700) if nk < 1000 else (1, 640)
-    _kernel_vs_reference(128, causal, b, nq, nk, 8, 2, seed=7, v_perm=v_perm, sum_mma=True, exp_bytes=True,
+    _kernel_vs_reference(d, causal, b, nq, nk, 8, 2, seed=7, v_perm=v_perm, sum_mma=True, exp_bytes=True,
                          num_ctas=ctas, dynamic_tiles=causal and ctas > 0)
 
 
