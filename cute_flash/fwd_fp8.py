@@ -72,7 +72,9 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # dense and packed inputs (session 8, N = 8k / 16k with V in the kernel order, non-causal |
     # causal: 885-863 | 819-865 -> 912-951 | 853-918 TFLOP/s together with every exponential on
     # the MUFU, the FMA pipe now having fewer free slots). Sliding windows (their own smaller
-    # tile, never tuned): compiled and CPU-checked, off.
+    # tile, never tuned): compiled and CPU-checked, off. d = 256 since session 16 (its block of
+    # ones fits in the last KiB of smem): alone +1-3% (8k / 16k), and it makes ``exp_bytes``
+    # possible there.
     sum_mma: bool | None = None
     # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
     # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
@@ -85,10 +87,11 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # 2^x is read off e4m3's own layout (8 codes per binade), within a binade the chord 1 + j / 8
     # of 2^(j / 8) (at most 6% above it; P V and the row sums see the same codes), flushing below
     # 2^-7 of the scaled P (``fp8_ref.p_log_bytes``, ``EXP_BYTES_LOG2_SCALE``). Needs ``sum_mma``.
-    # None: on wherever ``sum_mma`` is (session 16, d = 128, V in the kernel order, TFLOP/s, 8k /
-    # 16k non-causal | causal: 944 / 975 | 857 / 929 -> 1033 / 1055 | 967 / 1019 with the first
-    # build (an FFMA, a max and 3/4 byte permute per score); outlier-experiment RMSE 8.7e-3 ->
-    # 9.0e-3).
+    # None: on wherever ``sum_mma`` is. Session 16, V in the kernel order, 5 rounds, TFLOP/s,
+    # 8k / 16k non-causal | causal: d = 128 942 / 970 | 835 / 922 -> 1098 / 1125 | 1008 / 1060;
+    # d = 256 (with sum_mma) 1212 / 1194 | 1131 / 1179 -> 1323 / 1297 | 1213 / 1242. Outlier-
+    # experiment RMSE (rotated, N = 4k) 8.7e-3 -> 8.9e-3 at d = 128, 7.2e-3 -> 7.3e-3 at 256.
+    # ``CUTE_FLASH_FP8_P=exact`` turns it off at run time.
     exp_bytes: bool | None = None
 
     kernel_name = "fwd_sm90_fp8"
@@ -112,7 +115,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.sum_mma is None:
-            object.__setattr__(self, "sum_mma", self.hdim == 128 and not self.local)
+            object.__setattr__(self, "sum_mma", self.hdim in (128, 256) and not self.local)
         if self.exp2_emu is None:
             emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
             if self.sum_mma:

@@ -293,9 +293,26 @@ def _kernel_vs_reference(d: int, causal: bool, b: int, nq: int, nk: int, h: int,
     sum_mma = cfg.sum_mma
     ref, ref_lse = attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale, causal=causal,
                                      v_perm=v_perm, sum_quantized_p=sum_mma, exp_bytes=cfg.exp_bytes)
-    err = (out.float() - ref).abs().max().item()
-    assert err < 0.05 * ref.abs().max().item(), err
+    if cfg.exp_bytes:
+        _check_p_codes_error(out, ref, attention_fp8_ref(q8, k8, v8, qd, kd, vd, softmax_scale=scale,
+                                                         causal=causal, v_perm=v_perm, quantize_p=False)[0])
+    else:
+        err = (out.float() - ref).abs().max().item()
+        assert err < 0.05 * ref.abs().max().item(), err
     _check_lse(lse, ref_lse, sum_mma)
+
+
+def _check_p_codes_error(out, ref, exact) -> None:
+    """``exp_bytes``: a row's reference is its max rounded up to a code step, so where the
+    kernel's fp32 max and the reference's differ across a step boundary every code of the row
+    moves by one and the chord's (<= 6%) errors land elsewhere: kernel and reference then differ
+    by about as much as either differs from unquantized P. So both are held to the attention
+    with unquantized P (``exact``, same e4m3 inputs): the kernel's error within 2x the
+    reference's at the worst element and 1.25x in RMS (the project's rule)."""
+    ours, theirs = out.float() - exact, ref - exact
+    assert ours.abs().max() <= 2 * theirs.abs().max(), (ours.abs().max(), theirs.abs().max())
+    rms = [x.pow(2).mean().sqrt().item() for x in (ours, theirs)]
+    assert rms[0] <= 1.25 * rms[1], rms
 
 
 def _check_lse(lse, ref_lse, sum_mma: bool) -> None:
@@ -469,7 +486,11 @@ def test_callers_dense_e4m3_v_is_relaid_into_the_kernel_order_and_matches_the_re
                                exp_bytes=cfg.exp_bytes)
     out = flash_attn_func(*(t.cuda() for t in (q8, k8, v8)), causal=True, q_descale=qd.cuda(),
                           k_descale=kd.cuda(), v_descale=vd.cuda()).cpu().float()
-    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    if cfg.exp_bytes:
+        exact = attention_fp8_ref(q8, k8, v8, qd, kd, vd, causal=True, quantize_p=False)[0]
+        _check_p_codes_error(out, ref, exact)
+    else:
+        assert (out - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 @pytest.mark.gpu
@@ -508,11 +529,15 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
     cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1),
                            varlen=True)
     sum_mma = cfg.sum_mma
-    ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, softmax_scale=scale,
-                                            causal=causal, window_size=window, sum_quantized_p=sum_mma,
-                                            exp_bytes=cfg.exp_bytes)
-    err = (out.float() - ref).abs().max().item()
-    assert err < 0.05 * ref.abs().max().item(), err
+    kw = dict(softmax_scale=scale, causal=causal, window_size=window)
+    ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, sum_quantized_p=sum_mma,
+                                            exp_bytes=cfg.exp_bytes, **kw)
+    if cfg.exp_bytes:
+        exact = attention_fp8_varlen_ref(q8, k8, v8, cu_q, cu_k, qd, kd, vd, quantize_p=False, **kw)[0]
+        _check_p_codes_error(out, ref, exact)
+    else:
+        err = (out.float() - ref).abs().max().item()
+        assert err < 0.05 * ref.abs().max().item(), err
     _check_lse(lse, ref_lse, sum_mma)
 
 
