@@ -121,7 +121,8 @@ def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
                dict(tile_n=80),
                dict(hdim=64, hdim_v=64, sum_mma=True), dict(exp_bytes=True, sum_mma=False),
-               dict(exp_bytes=True, lazy_rescale=True), dict(hdim=256, hdim_v=256, exp_bytes=True)):
+               dict(exp_bytes=True, lazy_rescale=True), dict(hdim=64, hdim_v=64, exp_bytes=True),
+               dict(local=True, exp_bytes=True)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
