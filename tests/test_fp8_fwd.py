@@ -400,6 +400,37 @@ def test_fp8_p_codes_from_the_ffma_match_the_reference(d: int, causal: bool, v_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_rows_whose_first_keys_score_far_below_zero_stay_finite(d: int) -> None:
+    """Every score -500 (log2 units ~ -720), causal: the top rows of a tile see no key in its first
+    (diagonal) block, so their running max goes from -inf to -500. The codes' O rescale must be 0
+    there, not 2^(720) (inf, and inf * 0 = NaN). Uniform scores: O is the mean of the visible V."""
+    import torch
+
+    from cute_flash.fp8_ref import attention_fp8_ref
+    from cute_flash.fwd_fp8 import run_fwd_fp8
+
+    b, nq, nk, h = 1, 300, 517, 2
+    q8 = torch.ones(b, nq, h, d, device="cuda").to(torch.float8_e4m3fn)
+    k8 = (-torch.ones(b, nk, h, d, device="cuda")).to(torch.float8_e4m3fn)
+    v = torch.randn(b, nk, h, d, device="cuda")
+    v8 = v.to(torch.float8_e4m3fn).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    ones = torch.ones(b, h, device="cuda")
+    scale = 500.0 / d
+    out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    run_fwd_fp8(q8, k8, v8, ones, ones, ones, out, lse, softmax_scale=scale, causal=True, num_ctas=0,
+                dynamic_tiles=False)
+    ref, ref_lse = attention_fp8_ref(q8, k8, v8, ones, ones, ones, softmax_scale=scale, causal=True,
+                                     quantize_p=False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out.float() - ref).abs().max() < 2e-2 * ref.abs().max()
+    # (P's codes sit up to one step under the row max: the LSE within one code's ratio.)
+    assert (lse - ref_lse).abs().max() < math.log1p(2.0 ** -3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("d,causal,sum_mma", [(128, False, False), (128, True, True), (256, True, False),
                                               (64, False, False)])
 def test_fp8_lazy_rescale_matches_the_reference(d: int, causal: bool, sum_mma: bool) -> None:

@@ -151,7 +151,10 @@ class OnlineSoftmax:
                 ref8 = self.ref8(m_new)
                 row_scale[r] = Float32(1.0)
                 if cutlass.const_expr(not is_first):
-                    row_scale[r] = cute.math.exp2((self.ref8(m_old) - ref8) * Float32(0.125), fastmath=True)
+                    # ceil(-inf) = -inf: a row that saw no key yet has nothing to rescale (factor
+                    # 0, not 2^(-ref8 / 8), which overflows for very negative scores).
+                    old8 = ceil_f32(m_old * (self.scale_log2 * Float32(8.0)))
+                    row_scale[r] = cute.math.exp2((old8 - ref8) * Float32(0.125), fastmath=True)
                 bias = (Float32(exp_code_offset(self.p_log2_offset)) - ref8) * Float32(CODE_UNIT)
                 scale = self.scale_log2 * Float32(8.0 * CODE_UNIT)
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
