@@ -407,14 +407,14 @@ def test_fp8_rows_whose_first_keys_score_far_below_zero_stay_finite(d: int) -> N
     there, not 2^(720) (inf, and inf * 0 = NaN). Uniform scores: O is the mean of the visible V."""
     import torch
 
-    from cute_flash.fp8_ref import attention_fp8_ref
+    from cute_flash.fp8_ref import attention_fp8_ref, token_contiguous
     from cute_flash.fwd_fp8 import run_fwd_fp8
 
     b, nq, nk, h = 1, 300, 517, 2
     q8 = torch.ones(b, nq, h, d, device="cuda").to(torch.float8_e4m3fn)
     k8 = (-torch.ones(b, nk, h, d, device="cuda")).to(torch.float8_e4m3fn)
     v = torch.randn(b, nk, h, d, device="cuda")
-    v8 = v.to(torch.float8_e4m3fn).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    v8 = token_contiguous(v.to(torch.float8_e4m3fn))
     ones = torch.ones(b, h, device="cuda")
     scale = 500.0 / d
     out = torch.full((b, nq, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
