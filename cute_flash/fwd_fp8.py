@@ -128,7 +128,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
                 object.__setattr__(self, name, value)
         if self.tile_n % 32:
             raise ValueError("FP8 forward: tile_n must be a multiple of 32 (k32 P V)")
-        if self.sum_mma and self.hdim == 64:
+        if self.sum_mma and self.hdim == 64 and self.num_mma_wg == 3:
             # d = 64 (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
             raise ValueError("FP8 forward: no sum_mma at d = 64")
         if self.exp_bytes is None:
