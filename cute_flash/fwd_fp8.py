@@ -18,13 +18,15 @@ from cute_flash.fwd_sm90 import SM90_SMEM_LIMIT, FwdSm90Config
 # tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time). With 1-byte Q / K / V
 # the tiles grow past the 16-bit ones; chosen by scripts/tune_fp8.py on the H200 (TFLOP/s, N = 8k /
 # 16k, non-causal | causal; docs/notes.md):
-# - d = 64: 192 x 160 on three warpgroups, 582 | 506 (128 x 128: 498 | 451).
+# - d = 64: 192 x 160 on three warpgroups, 582 | 506 (128 x 128: 498 | 451) with MUFU exponentials;
+#   since session 16 128 x 192 with ping-pong, P's codes from the FFMA and the row sums on the
+#   tensor cores (8k / 16k non-causal | causal: 639 / 661 | 568 / 619 -> 818 / 838 | 696 / 734).
 # - d = 128: 128 x 192 with ping-pong, 841-847 | 778-828 (128 x 128: 771-787 | 724-766; 224 keys
 #   and 160 keys both lower).
 # - d = 256: 128 x 128 (smem exactly 227 KiB), 1132-1145 | 1066-1113 (128 x 96: 968-1002 |
 #   928-1005); ping-pong on or off within 2%.
 SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (192, 160, 2, 3, False, True),
+    64: (128, 192, 2, 2, True, True),
     128: (128, 192, 2, 2, True, True),
     256: (128, 128, 2, 2, False, True),
 }
@@ -115,7 +117,9 @@ class FwdSm90Fp8Config(FwdSm90Config):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.sum_mma is None:
-            object.__setattr__(self, "sum_mma", self.hdim in (128, 256) and not self.local)
+            # (d = 64: the two-warpgroup tile only; three serialise their wgmmas with it.)
+            d64_off = self.hdim == 64 and (small or self.num_mma_wg == 3)
+            object.__setattr__(self, "sum_mma", not self.local and not d64_off)
         if self.exp2_emu is None:
             emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
             if self.sum_mma:

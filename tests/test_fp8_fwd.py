@@ -120,9 +120,9 @@ def test_fp8_forward_compiles_with_e4m3_wgmma_tma_and_no_spills(cfg: FwdSm90Fp8C
 def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
     for kw in (dict(hdim=96, hdim_v=96), dict(softcap=True), dict(varlen=True, v_perm=True),
                dict(tile_n=80),
-               dict(hdim=64, hdim_v=64, sum_mma=True), dict(exp_bytes=True, sum_mma=False),
-               dict(exp_bytes=True, lazy_rescale=True), dict(hdim=64, hdim_v=64, exp_bytes=True),
-               dict(local=True, exp_bytes=True)):
+               dict(hdim=64, hdim_v=64, num_mma_wg=3, sum_mma=True), dict(exp_bytes=True, sum_mma=False),
+               dict(exp_bytes=True, lazy_rescale=True), dict(local=True, exp_bytes=True),
+               dict(hdim=64, hdim_v=64, num_mma_wg=3, exp_bytes=True)):
         with pytest.raises(ValueError):
             FwdSm90Fp8Config(target="sm_90a", **{"hdim": 128, "hdim_v": 128, **kw})
 
