@@ -135,10 +135,10 @@ class FwdSm90Fp8Config(FwdSm90Config):
         if self.sum_mma and self.hdim == 64 and self.num_mma_wg == 3:
             # d = 64 (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
             raise ValueError("FP8 forward: no sum_mma with three consumer warpgroups at d = 64")
+        codes_possible = bool(self.sum_mma and not self.lazy_rescale and not self.exp2_emu)
         if self.exp_bytes is None:
-            on = self.sum_mma and not self.lazy_rescale and not self.exp2_emu
-            object.__setattr__(self, "exp_bytes", bool(on))
-        if self.exp_bytes and not (self.sum_mma and not self.lazy_rescale and not self.exp2_emu):
+            object.__setattr__(self, "exp_bytes", codes_possible)
+        if self.exp_bytes and not codes_possible:
             raise ValueError("FP8 forward: exp_bytes needs sum_mma, without lazy_rescale or exp2_emu")
         super().__post_init__()
         if not self.separate_o:

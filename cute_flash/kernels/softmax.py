@@ -153,8 +153,7 @@ class OnlineSoftmax:
                 if cutlass.const_expr(not is_first):
                     # ceil(-inf) = -inf: a row that saw no key yet has nothing to rescale (factor
                     # 0, not 2^(-ref8 / 8), which overflows for very negative scores).
-                    old8 = ceil_f32(m_old * (self.scale_log2 * Float32(8.0)))
-                    row_scale[r] = cute.math.exp2((old8 - ref8) * Float32(0.125), fastmath=True)
+                    row_scale[r] = cute.math.exp2((self.ceil8(m_old) - ref8) * Float32(0.125), fastmath=True)
                 bias = (Float32(exp_code_offset(self.p_log2_offset)) - ref8) * Float32(CODE_UNIT)
                 scale = self.scale_log2 * Float32(8.0 * CODE_UNIT)
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
@@ -185,11 +184,14 @@ class OnlineSoftmax:
                     self.row_sum[r] = self.row_sum[r] * scale + psum
         return row_scale
 
+    def ceil8(self, m: Float32) -> Float32:
+        """ceil(8 m scale_log2): 8 x the row's reference in log2 units (``exp_bytes``)."""
+        return ceil_f32(m * (self.scale_log2 * Float32(8.0)))
+
     @cute.jit
     def ref8(self, m: Float32) -> Float32:
-        """8 x the row's reference in log2 units (``exp_bytes``): ceil(8 m scale_log2), 0 for a
-        row with no key yet."""
-        return ceil_f32((m if m != -Float32.inf else Float32(0.0)) * (self.scale_log2 * Float32(8.0)))
+        """``ceil8``, 0 for a row with no key yet (the codes' addend must stay finite)."""
+        return self.ceil8(m if m != -Float32.inf else Float32(0.0))
 
     @cute.jit
     def _exp2_row(self, acc_mn: cute.Tensor, r: int, row, m_scaled: Float32):
