@@ -334,7 +334,7 @@ def bwd_family(device: torch.device, hdim: int, hdim_v: int, softcap: float) -> 
     """``sm80`` or ``sm90``: the backward kernels to launch. ``CUTE_FLASH_BWD_KERNEL`` (read at each
     call): ``auto`` (default) takes the FA3 backward (``cute_flash.hopper.bwd``) on a Hopper GPU
     where it covers the problem and has been GPU-checked (``bwd_sm90.sm90_bwd_covers``: head dims
-    64 / 96 / 128 / 192 / 256 with d_v = d, softcap from d = 96) and the FA2 backward elsewhere;
+    64 / 96 / 128 / 192 / 256 with d_v = d, and (192, 128)) and the FA2 backward elsewhere;
     ``sm80`` forces the FA2 backward (any sm80+ GPU, e.g. for comparisons); ``sm90`` forces the FA3
     one (also what is compiled but not yet GPU-checked), raising ``ValueError`` where it does
     not apply."""

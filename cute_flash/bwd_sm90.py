@@ -47,19 +47,22 @@ SM90_BWD_TILE_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 SM90_BWD_DQ_WARP = {64: True, 96: True, 128: True, 192: False, 256: True}
 SM90_BWD_DQ_WARP_CAUSAL = {192: True}
 SM90_BWD_DQ_WARP_NARROW_V = {(192, 128): True}
-# Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack).
+# Softcap's 1 - tanh^2 factor needs registers the 96-key d = 192 tile does not have (8 bytes of stack),
+# nor d = 64's 128-query blocks (S^T and dP^T of 64 keys x 128 queries are 128 of the 240; it spilled
+# 10-72 with every switch): there 64-query blocks, 168 registers, no stack.
 SM90_BWD_TILE_N_SOFTCAP = {192: 64}
+SM90_BWD_TILE_M_SOFTCAP = {64: 64}
 SM90_BWD_HDIMS = tuple(SM90_BWD_TILE_M)
 SM90_SMEM_BYTES = 227 * 1024
 # d_v != d: (192, 128) (DeepSeek-style MLA prefill heads) in the wide kernel, whose dV^T keeps the
 # head dim on M, so a narrower V only shortens it (48 fp32 registers instead of 72).
 SM90_BWD_NARROW_V = {192: 128}
 SM90_BWD_GPU_CHECKED_V: tuple = ((192, 128),)
-# Softcap: d = 96 / 128 (narrow kernel; 7 spill stores at d = 128 without ds_stmatrix, none with
-# it) and d = 192 / 256 (wide kernel, none); d = 64 spills 10-72. Autograd takes the sm90 kernels
+# Softcap: d = 64 (64-query blocks) / 96 / 128 (narrow kernel; 7 spill stores at d = 128 without
+# ds_stmatrix, none with it) and d = 192 / 256 (wide kernel, none). Autograd takes the sm90 kernels
 # only for what has passed the GPU suite.
-SM90_BWD_SOFTCAP_HDIMS = (96, 128, 192, 256)
-SM90_BWD_SOFTCAP_GPU_CHECKED = (96, 128, 192, 256)
+SM90_BWD_SOFTCAP_HDIMS = (64, 96, 128, 192, 256)
+SM90_BWD_SOFTCAP_GPU_CHECKED = (64, 96, 128, 192, 256)
 # Head dims that have passed the GPU suite (a new one stays forced-only until it has).
 SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 # The session-6 switches (after flash-attn-4's backward), measured on the H200 in session 7
@@ -275,7 +278,10 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 backward: d_v = {self.hdim_v} with d = {self.hdim} (d_v = d, or "
                              f"{SM90_BWD_NARROW_V})")
         if not self.tile_m:
-            object.__setattr__(self, "tile_m", SM90_BWD_TILE_M[self.hdim])
+            tile_m = SM90_BWD_TILE_M[self.hdim]
+            if self.softcap:
+                tile_m = SM90_BWD_TILE_M_SOFTCAP.get(self.hdim, tile_m)
+            object.__setattr__(self, "tile_m", tile_m)
         tile_n = SM90_BWD_TILE_N[self.hdim]
         if self.softcap:
             tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
@@ -354,8 +360,9 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: num_ctas sizes the persistent grid only")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
-        if self.softcap and self.hdim == 64:
-            raise ValueError("sm90 backward: no softcap at head dim 64 (it spills 15-72 registers)")
+        if self.softcap and self.hdim == 64 and self.tile_m == 128:
+            raise ValueError("sm90 backward: softcap at head dim 64 takes tile_m = 64 (128 query rows "
+                             "spill 15-72 registers)")
         if self.tile_n != tile_n or self.tile_m not in (64, 80, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {tile_n} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64, 80 or 128")

@@ -20,9 +20,14 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, varlen=True)
     for d in (64, 96, 128, 192, 256) for c in (False, True)
 ] + [
-    # Softcap (d >= 96): the 1 - tanh^2 factor of every score kept from S (S^T) to dS (dS^T).
+    # Softcap: the 1 - tanh^2 factor of every score kept from S (S^T) to dS (dS^T); d = 64 on
+    # 64-query blocks.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=True)
-    for d in (96, 128, 192, 256) for c in (False, True)
+    for d in (64, 96, 128, 192, 256) for c in (False, True)
+] + [
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, softcap=True, local=True),
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, softcap=True, causal=True, varlen=True),
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, softcap=True, causal=True, deterministic=True),
 ] + [
     # The narrow kernel's earlier schedule (its switches off: dK before dQ, one dS buffer behind an
     # EMPTY barrier, 2-byte dS stores), still reachable through overrides for tuning.
@@ -196,10 +201,10 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert spills <= (0 if clean else 12), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=96 6, 6, 4, 4, 8;
-        # d=64 (128 query rows) 4, 4, 8, 8, 8; d=256 (dK^T / dV^T, two 64-row M slices each) S 16,
+        # d=64 (128 query rows) 4, 4, 8, 8, 8 (64 rows, softcap: 4, 4, 4, 4, 8); d=256 (dK^T / dV^T, two 64-row M slices each) S 16,
         # dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (96 keys; dK^T / dV^T split by keys: three M slices
         # each) 12, 12, 12, 12, 6; (192, 128): dP 8 and dV^T 8 (two slices) instead of 12 each.
-        expect = {64: 32, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52, 256: 52}[cfg.hdim]
+        expect = {64: 32 if cfg.tile_m == 128 else 24, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52, 256: 52}[cfg.hdim]
         if cfg.tile_m == 80:  # dV, dK over 80 queries: 5 k16 steps each instead of 4
             expect += 2
         if cfg.hdim_v != cfg.hdim:
@@ -211,8 +216,8 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             assert len(re.findall(r"STSM\.16\.MT88\b(?!\.)", sass)) == 20
         elif cfg.ds_stmatrix and cfg.hdim > 128:  # P and dS: stmatrix.x4 (not transposed)
             assert sass.count("STSM.16.M88.4") == (6 if cfg.tile_n == 96 else 4)
-        elif cfg.ds_stmatrix:  # dS^T: 4 (d=128) / 8 (d=64) stmatrix.x4.trans per thread and block
-            assert sass.count("STSM.16.MT88.4") == (8 if cfg.hdim == 64 else 4)
+        elif cfg.ds_stmatrix:  # dS^T: tile_m / 16 stmatrix.x4.trans per thread and block
+            assert sass.count("STSM.16.MT88.4") == cfg.tile_m // 16
         if cfg.dkv_stmatrix and cfg.hdim > 128:
             # dK^T / dV^T: (d + d_v) x tile_n / 2 values per warpgroup, 32 per stmatrix.x4.trans per
             # thread -- and none of the 2-byte stores of the other epilogue beyond P's and dS's.
@@ -247,7 +252,7 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=160)
     with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=64, softcap=True)
+        BwdSm90Config(target="sm_90a", hdim=64, softcap=True, tile_m=128)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=64, tile_m=80)
     with pytest.raises(ValueError):
@@ -341,10 +346,14 @@ GPU_CASES = [
     # when "unbounded" was seqlen_k, with key - query reaching past offset + seqlen_k).
     (2, 1000, 113, 6, 1, False, (128, -1)),
 ]
-# (..., softcap, d): softcap 0 unless given; d=64 (no softcap) and d=256 on a few of them.
+# (..., softcap, d): softcap 0 unless given; d = 64, 96, 192, 256 on a few of them.
 GPU_CASES = [c if len(c) == 8 else (*c, 0.0) for c in GPU_CASES]
-GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7, 9)]
-             + [(*GPU_CASES[i], d) for d in (96, 192, 256) for i in (0, 3, 5, 7, 8, 9)])
+GPU_CASES = ([(*c, 128) for c in GPU_CASES] + [(*GPU_CASES[i], 64) for i in (1, 3, 5, 7, 8, 9)]
+             + [(*GPU_CASES[i], d) for d in (96, 192, 256) for i in (0, 3, 5, 7, 8, 9)]
+             # d = 64 softcap (64-query blocks): bottom-right causal with rows that see no key, GQA
+             # with a window, partial blocks on both axes.
+             + [(1, 517, 333, 4, 2, True, (-1, -1), 30.0, 64), (2, 500, 700, 6, 2, False, (96, 32), 20.0, 64),
+                (1, 1000, 1000, 2, 2, False, (-1, -1), 50.0, 64)])
 
 
 @pytest.mark.gpu
