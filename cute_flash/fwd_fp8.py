@@ -18,16 +18,16 @@ from cute_flash.fwd_sm90 import SM90_SMEM_LIMIT, FwdSm90Config
 # tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time). With 1-byte Q / K / V
 # the tiles grow past the 16-bit ones; chosen by scripts/tune_fp8.py on the H200 (TFLOP/s, N = 8k /
 # 16k, non-causal | causal; docs/notes.md):
-# - d = 64: 192 x 160 on three warpgroups, 582 | 506 (128 x 128: 498 | 451) with MUFU exponentials.
-#   Candidate measured in session 16 (one tune run, 3 rounds, no GPU test yet, so not the
-#   default): 128 x 192 on two warpgroups with ping-pong, ``sum_mma`` and ``exp_bytes``, 8k / 16k
-#   non-causal | causal 639 / 661 | 568 / 619 -> 818 / 838 | 696 / 734 (V in the kernel order).
+# - d = 64: 128 x 192 on two warpgroups with ping-pong, ``sum_mma`` and ``exp_bytes`` (session 16,
+#   one tune run, 3 rounds, V in the kernel order, 8k / 16k non-causal | causal: 818 / 838 |
+#   696 / 734), against the earlier 192 x 160 on three warpgroups with MUFU exponentials, 639 / 661
+#   | 568 / 619 (three warpgroups cannot take ``sum_mma``: ptxas serialises their wgmmas).
 # - d = 128: 128 x 192 with ping-pong, 841-847 | 778-828 (128 x 128: 771-787 | 724-766; 224 keys
 #   and 160 keys both lower).
 # - d = 256: 128 x 128 (smem exactly 227 KiB), 1132-1145 | 1066-1113 (128 x 96: 968-1002 |
 #   928-1005); ping-pong on or off within 2%.
 SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (192, 160, 2, 3, False, True),
+    64: (128, 192, 2, 2, True, True),
     128: (128, 192, 2, 2, True, True),
     256: (128, 128, 2, 2, False, True),
 }
@@ -43,8 +43,8 @@ SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
 # (d = 128) and 851 -> 917, 1004 -> 1041 (d = 256). At 8k (d = 128): non-causal 880 -> 879 (no
 # gain), causal 792 -> 812; at 16k causal 863 -> 859. So causal at d = 128 goes on to 8k; d = 256
 # at 8k was not measured (bf16 lost 2% there) and stays at 4k.
-# d = 64 (three warpgroups; bf16 lost with the persistent grid at N <= 1k there) was not measured
-# and keeps one CTA per tile.
+# d = 64 (bf16 lost with the persistent grid at N <= 1k there) was not measured and keeps one CTA
+# per tile.
 SM90_FP8_PERSISTENT_MAX_SEQLEN = 4096
 SM90_FP8_PERSISTENT_CAUSAL_D128_MAX_SEQLEN = 8192
 # Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
@@ -108,8 +108,8 @@ class FwdSm90Fp8Config(FwdSm90Config):
             # The varlen re-layout of V (fp8_ref.v_varlen_aligned) writes the natural order. (The
             # kernel order would work on its 16-aligned sequence starts; not wired up yet.)
             raise ValueError("FP8 forward: varlen takes V in its natural token order")
-        # Varlen causal at d = 64 (three warpgroups) spills 248 bytes with the tuned tile: the
-        # sequence offsets and both mask bounds stay live; the smaller tile does not.
+        # Varlen causal at d = 64 spilled 248 bytes with the three-warpgroup tile (the sequence
+        # offsets and both mask bounds stay live); it keeps the smaller tile.
         small = self.local or (self.varlen and self.causal and self.hdim == 64)
         table = SM90_FP8_FWD_TILES_LOCAL if small else SM90_FP8_FWD_TILES
         tile_m, tile_n, stages, wgs, pingpong, overlap = table[self.hdim]
@@ -118,8 +118,9 @@ class FwdSm90Fp8Config(FwdSm90Config):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.sum_mma is None:
-            # d = 64: off until the two-warpgroup candidate above has passed the GPU tests.
-            object.__setattr__(self, "sum_mma", self.hdim in (128, 256) and not self.local)
+            # (d = 64's small varlen-causal tile keeps the exponentials: measured nowhere.)
+            object.__setattr__(self, "sum_mma", not self.local and not (small and self.hdim == 64)
+                               and self.num_mma_wg != 3)
         if self.exp2_emu is None:
             emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
             if self.sum_mma:

@@ -50,10 +50,10 @@ VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=128, hdim_v=128, exp_bytes=T
                         dict(v_perm=True, num_ctas=132), dict(varlen=True, causal=True))]
 VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256, sum_mma=True, exp_bytes=True, **kw)
              for kw in (dict(v_perm=True), dict(v_perm=True, causal=True), dict(varlen=True))]
-# d = 64 candidate (session 16: +23-28% in one tune run, not the default yet): two warpgroups,
-# ping-pong, 128 x 192, codes.
-VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=64, hdim_v=64, tile_m=128, tile_n=192, num_mma_wg=2,
-                              pingpong=True, sum_mma=True, exp_bytes=True, **kw)
+# d = 64's tile before session 17 (three warpgroups, 192 x 160, MUFU exponentials; still
+# reachable through overrides).
+VARIANTS += [FwdSm90Fp8Config(target="sm_90a", hdim=64, hdim_v=64, tile_m=192, tile_n=160, num_mma_wg=3,
+                              pingpong=False, **kw)
              for kw in (dict(v_perm=True), dict(v_perm=True, causal=True))]
 
 
@@ -386,7 +386,8 @@ def test_fp8_row_sums_on_the_tensor_cores_match_the_reference(causal: bool, v_pe
     (128, False, False, "tiles", 517), (128, True, True, "persistent", 517),
     (128, False, True, "persistent", 517), (128, False, True, "tiles", 8200),
     (128, True, False, "tiles", 8200), (256, False, True, "tiles", 517), (256, True, True, "tiles", 8200),
-    (256, True, False, "persistent", 517)])
+    (256, True, False, "persistent", 517), (64, False, True, "tiles", 517), (64, True, True, "tiles", 8200),
+    (64, True, False, "tiles", 517), (64, False, False, "tiles", 8200)])
 def test_fp8_p_codes_from_the_ffma_match_the_reference(d: int, causal: bool, v_perm: bool, grid: str,
                                                         nk: int) -> None:
     """``exp_bytes``: P's e4m3 codes read off one FFMA per score against the row max rounded up to
