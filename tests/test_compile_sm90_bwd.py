@@ -201,10 +201,12 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
         assert spills <= (0 if clean else 12), f"{spills} spill stores"
         hgmma, depbar = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
         # k16 steps per query block: d=128 S^T 8, dP^T 8, dV 4, dK 4, dQ 8; d=96 6, 6, 4, 4, 8;
-        # d=64 (128 query rows) 4, 4, 8, 8, 8 (64 rows, softcap: 4, 4, 4, 4, 8); d=256 (dK^T / dV^T, two 64-row M slices each) S 16,
-        # dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (96 keys; dK^T / dV^T split by keys: three M slices
-        # each) 12, 12, 12, 12, 6; (192, 128): dP 8 and dV^T 8 (two slices) instead of 12 each.
-        expect = {64: 32 if cfg.tile_m == 128 else 24, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52, 256: 52}[cfg.hdim]
+        # d=64 (128 query rows) 4, 4, 8, 8, 8 (64 rows, softcap: 4, 4, 4, 4, 8); d=256 (dK^T /
+        # dV^T, two 64-row M slices each) S 16, dP 16, dV^T 8, dK^T 8, dQ 4; d=192 (96 keys; dK^T /
+        # dV^T split by keys: three M slices each) 12, 12, 12, 12, 6; (192, 128): dP 8 and dV^T 8
+        # (two slices) instead of 12 each.
+        expect = {64: 32 if cfg.tile_m == 128 else 24, 96: 28, 128: 32, 192: 54 if cfg.tile_n == 96 else 52,
+                  256: 52}[cfg.hdim]
         if cfg.tile_m == 80:  # dV, dK over 80 queries: 5 k16 steps each instead of 4
             expect += 2
         if cfg.hdim_v != cfg.hdim:
