@@ -369,10 +369,9 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
             raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
                              "two warpgroups) needs d = 128, no softcap (it spills 37 registers)")
-        if self.post_stage_smem and (self.hdim not in (64, 128, 256) or self.tile_m == 80):
-            # (The stmatrix copy does not partition the 96- / 192-column swizzled tiles; the 80-row
-            # dQ^T tile keeps its direct stores.)
-            raise ValueError("sm90 backward: post_stage_smem needs d in (64, 128, 256), tile_m 64 / 128")
+        if self.post_stage_smem and self.tile_m == 80:
+            # (The 80-row dQ^T tile keeps its direct stores.)
+            raise ValueError("sm90 backward: post_stage_smem needs tile_m 64 / 128")
         if self.tile_m == 80 and self.ds_stmatrix and (self.causal or self.local or self.deterministic):
             raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
                              "deterministic mode (they spill / serialise the wgmmas)")

@@ -229,7 +229,7 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             assert len(re.findall(r"\bSTS\.U16\b", sass)) <= pds  # (some pairs merge into 4-byte stores)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int) -> None:
     """``post_stage_smem``: dQ leaves through stmatrix and 16-byte global stores only."""
     cfg = BwdSm90Config(target="sm_90a", hdim=d, post_stage_smem=True).post()
@@ -265,9 +265,8 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=128, softcap=True, prefetch_stats=True)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, ds_stmatrix=True, causal=True)
-    for kw in (dict(hdim=96), dict(hdim=192), dict(hdim=128, tile_m=80)):
-        with pytest.raises(ValueError):
-            BwdSm90Config(target="sm_90a", post_stage_smem=True, **kw)
+    with pytest.raises(ValueError):
+        BwdSm90Config(target="sm_90a", post_stage_smem=True, hdim=128, tile_m=80)
 
 
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
@@ -468,6 +467,16 @@ def test_sm90_bwd_persistent_grid_and_ds_staged_epilogue_keep_gradients(case: tu
     if switches.get("num_ctas") == 5 and case[-1] != 128:
         pytest.skip("smem epilogue: d = 128 cases")
     _check_gradients(case, overrides=switches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (96, 192)]
+                         + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
+def test_sm90_bwd_staged_postprocess_at_96_and_192_columns_keeps_dq(case: tuple) -> None:
+    """dQ leaves the postprocess through a 64-byte (d = 192) / 32-byte (d = 96) swizzled smem tile:
+    the dQ MMA's head-dim halves, 96 / 48 columns, do not tile the 128-byte atom."""
+    _check_gradients(case, overrides=dict(post_stage_smem=True))
 
 
 @pytest.mark.gpu

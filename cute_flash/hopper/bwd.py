@@ -828,8 +828,11 @@ class FlashBwdPostSm90:
         assert not (self.stage and dq_swapab(cfg.tile_m)), "dQ^T tiles keep the direct stores"
 
     def smem_layout(self):
+        # The dQ MMA splits the head dim over the warpgroups: at d = 96 / 192 a 128-byte swizzle
+        # atom (64 columns) would straddle the halves the stmatrix copy partitions.
+        cols = self.hdim if self.hdim % 128 == 0 else self.hdim // 2
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.hdim), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.hdim), (0, 1))
 
     def smem_bytes(self) -> int:
