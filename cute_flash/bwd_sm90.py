@@ -76,7 +76,11 @@ SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 # - d = 64: the batched writer and stmatrix dK / dV only non-causal (443 / 501 / 508 ->
 #   448 / 513 / 518; causal they lost 3-5% at 8k / 16k).
 SM90_BWD_PDL = True
-SM90_BWD_POST_STAGE_HDIMS = (64, 128, 256)
+# dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
+# session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
+# d = 192 426 / 478 | 368 / 469 -> 439 / 482 | 389 / 479; d = 96 451 / 519 | 383 / 500 -> 471 /
+# 526 | 404 / 506.
+SM90_BWD_POST_STAGE_HDIMS = (64, 96, 128, 192, 256)
 # Session 11 (one run, TFLOP/s, N = 2k / 8k): prefetching at d = 128 causal now wins, 431 -> 455,
 # 518 -> 546 (flash-attn-4 451 / 555; it cost 1-2% in session 7, before the split loads and
 # polling waits). Nsight Compute had shown the FFMAs of the exponentials' arguments waiting on
