@@ -77,7 +77,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # the MUFU, the FMA pipe now having fewer free slots). Sliding windows (their own smaller
     # tile, never tuned): compiled and CPU-checked, off. d = 256 since session 16 (its block of
     # ones fits in the last KiB of smem): alone +1-3% (8k / 16k), and it makes ``exp_bytes``
-    # possible there.
+    # possible there; d = 64 since session 17 (with its two-warpgroup tile).
     sum_mma: bool | None = None
     # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
     # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
