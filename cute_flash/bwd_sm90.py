@@ -76,6 +76,7 @@ SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 # - d = 64: the batched writer and stmatrix dK / dV only non-causal (443 / 501 / 508 ->
 #   448 / 513 / 518; causal they lost 3-5% at 8k / 16k).
 SM90_BWD_PDL = True
+SM90_BWD_MASK_ALWAYS: tuple = ()
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
 # d = 192 426 / 478 | 368 / 469 -> 439 / 482 | 389 / 479; d = 96 451 / 519 | 383 / 500 -> 471 /
@@ -270,6 +271,11 @@ class BwdSm90Config(jit.KernelConfig):
     # Preprocess threads per CTA (0 = ``SM90_BWD_PRE_THREADS``; 128 where the thread rows would not
     # tile the query block).
     pre_threads: int = 0
+    # Every block through the masked exponentials (flash-attn-4's loop) instead of a uniform
+    # branch to an unmasked copy for interior blocks: one basic block, so ptxas may interleave P's
+    # conversion, stores and barrier with the exponentials (the branch's join stops it), at one
+    # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS``.
+    mask_always: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -312,6 +318,8 @@ class BwdSm90Config(jit.KernelConfig):
             # Softcap's 1 - tanh^2 registers leave no room (88 bytes of stack at d = 128). (The
             # wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
+        if self.mask_always is None:
+            object.__setattr__(self, "mask_always", self.hdim in SM90_BWD_MASK_ALWAYS)
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.rotate_m is None:

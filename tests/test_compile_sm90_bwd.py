@@ -39,6 +39,11 @@ VARIANTS = [
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, causal=c, varlen=vl, deterministic=det)
     for c, vl, det in ((False, False, False), (True, True, False), (False, False, True))
 ] + [
+    # Every block through the masked exponentials (one basic block per loop body), narrow and wide.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, local=lo, softcap=sc, mask_always=True)
+    for d, c, lo, sc in ((64, True, False, False), (64, False, False, True), (128, False, True, False),
+                         (192, True, False, False), (256, False, False, False))
+] + [
     # d_v != d: (192, 128) in the wide kernel.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=192, hdim_v=128, causal=c, varlen=vl, softcap=sc,
                   deterministic=det)
@@ -154,7 +159,7 @@ def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
              "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced",
-             "rotate_m")
+             "rotate_m", "mask_always")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
@@ -403,6 +408,7 @@ CANDIDATE_SWITCHES = {
     "post-stage-smem": dict(post_stage_smem=True), "spin-waits": dict(spin_waits=True),
     "spin-waits-split-loads": dict(spin_waits=True, split_loads=True),
     "pre-256-threads": dict(pre_threads=256), "rotate-m": dict(rotate_m=True),
+    "mask-always": dict(mask_always=True),
     "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 
@@ -493,7 +499,7 @@ def test_sm90_bwd_one_do_stage_under_two_q_stages_keeps_gradients(case: tuple) -
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[-1] in (192, 256)]
                          + [(*GPU_CASES[i][:8], (192, 128)) for i in (3, 8)])
 @pytest.mark.parametrize("switch", ["ds_stmatrix=0", "dkv_stmatrix=1", "dq_before_dk=1", "dq_before_dk=0",
-                                    "prefetch_stats=0", "rotate_m=1", "rotate_m=0"])
+                                    "prefetch_stats=0", "rotate_m=1", "rotate_m=0", "mask_always=1"])
 def test_sm90_bwd_wide_switches_keep_gradients(case: tuple, switch: str) -> None:
     """The wide kernel with P and dS by 2-byte stores, dK^T / dV^T by (transposing) stmatrix, with
     and without flash-attn-4's order (P stored under the dP GEMM, dV under the dS store, dQ handed

@@ -115,6 +115,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         self.det_descending = cfg.det_descending
         self.lpt = cfg.lpt
         self.prefetch_stats = cfg.prefetch_stats
+        self.mask_always = cfg.mask_always
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -661,18 +662,57 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         bounds = self.mask_bounds(ctx, m_block)
         # Only edge blocks (diagonal / window band, the partial last K/V block) pay for the mask:
         # at d = 64 its compare-and-select is a quarter of the loop body's instructions.
-        if self.block_needs_mask(bounds):
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
-                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                    key, query = ctx.tScS[r, c]
-                    acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
+        if cutlass.const_expr(self.mask_always):
+            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, bounds)
+        elif self.block_needs_mask(bounds):
+            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, bounds)
         else:
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
-                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                    acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
+            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, None)
         return dtanh
+
+    @cute.jit
+    def exp2_cols(self, ctx, acc, sLSE2, lse2_regs, bounds):
+        """``probs``' exponentials over this thread's (key, query) scores, masked by ``bounds``
+        (``mask_bounds``) or, with None, not at all. ``mask_always`` turns the bounds into one key
+        interval per query (``key_window``): a score pays one compare-and-select (two with a left
+        window) instead of two (three). (The edge blocks' path of the default keeps its
+        per-score compares: GPU-tested as it is.)"""
+        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
+            window = None
+            if cutlass.const_expr(bounds is not None and self.mask_always):
+                window = self.key_window(ctx.tScS[0, c][1], bounds)
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                x = acc[r, c] * ctx.scale_log2 - lse2
+                if cutlass.const_expr(bounds is not None and not self.mask_always):
+                    key, query = ctx.tScS[r, c]
+                    acc[r, c] = self.masked_exp2(x, key, query, bounds)
+                else:
+                    acc[r, c] = self.window_exp2(x, ctx.tScS[r, c][0], window)
+
+    @cute.jit
+    def key_window(self, query: Int32, bounds: tuple):
+        """(first, last) tile-local key that query ``query`` sees under ``mask_bounds``' bounds
+        (first only with a left window, else None)."""
+        last_key, hi, lo = bounds
+        last = last_key
+        if cutlass.const_expr(self.is_causal or self.is_local):
+            last = cutlass.min(last, query + hi)
+        first = None
+        if cutlass.const_expr(self.is_local):
+            first = query + lo
+        return first, last
+
+    @cute.jit
+    def window_exp2(self, x: Float32, key: Int32, window) -> Float32:
+        """exp2(x), or exp2(-inf) = 0 for a key outside ``window`` (``key_window``; None: none)."""
+        if cutlass.const_expr(window is not None):
+            first, last = window
+            ok = key <= last
+            if cutlass.const_expr(first is not None):
+                ok = ok and key >= first
+            x = cutlass.select_(ok, x, -Float32.inf)
+        return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def block_needs_mask(self, bounds: tuple):

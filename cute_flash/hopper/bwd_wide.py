@@ -186,18 +186,31 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         dtanh = self.softcap_scores(ctx, acc_S)
         acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
         bounds = self.mask_bounds(ctx, m_block)
-        if self.block_needs_mask(bounds):  # edge blocks only (see ``FlashBwdSm90.probs``)
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
-                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    query, key = ctx.tScS[r, c]
-                    acc[r, c] = self.masked_exp2(acc[r, c] * ctx.scale_log2 - lse2, key, query, bounds)
+        # Edge blocks only (see ``FlashBwdSm90.probs``), or every block (``mask_always``).
+        if cutlass.const_expr(self.mask_always):
+            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, bounds)
+        elif self.block_needs_mask(bounds):
+            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, bounds)
         else:
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
-                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    acc[r, c] = cute.math.exp2(acc[r, c] * ctx.scale_log2 - lse2, fastmath=True)
+            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, None)
         return dtanh
+
+    @cute.jit
+    def exp2_rows(self, ctx, acc, sLSE2, lse2_regs, bounds):
+        """``probs_rows``' exponentials over this thread's (query, key) scores, masked by
+        ``bounds`` or, with None, not at all (``FlashBwdSm90.exp2_cols``, rows for columns)."""
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
+            window = None
+            if cutlass.const_expr(bounds is not None and self.mask_always):
+                window = self.key_window(ctx.tScS[r, 0][0], bounds)
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                x = acc[r, c] * ctx.scale_log2 - lse2
+                if cutlass.const_expr(bounds is not None and not self.mask_always):
+                    query, key = ctx.tScS[r, c]
+                    acc[r, c] = self.masked_exp2(x, key, query, bounds)
+                else:
+                    acc[r, c] = self.window_exp2(x, ctx.tScS[r, c][1], window)
 
     @cute.jit
     def dscores_rows(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):
