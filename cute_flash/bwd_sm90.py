@@ -76,7 +76,12 @@ SM90_BWD_GPU_CHECKED = (64, 96, 128, 192, 256)
 # - d = 64: the batched writer and stmatrix dK / dV only non-causal (443 / 501 / 508 ->
 #   448 / 513 / 518; causal they lost 3-5% at 8k / 16k).
 SM90_BWD_PDL = True
-SM90_BWD_MASK_ALWAYS: tuple = ()
+# ``mask_always`` by (head dim, softcap), session 17 (one run, 3 rounds, TFLOP/s, N = 2k / 8k,
+# non-causal | causal): d = 64 452 / 507 | 388 / 484 -> 475 / 527 | 409 / 504 (flash-attn-4 475 /
+# 527 | 404 / 499); d = 192 439 / 472 | 398 / 475 -> 447 / 485 | 400 / 478. GPU-tested as a switch
+# on d = 64 / 128 / 192 / 256 cases (causal, windows, GQA, softcap in the wide kernel); d = 64 with
+# softcap (64-query blocks) and d = 96 / 128 / 256 not measured: off there.
+SM90_BWD_MASK_ALWAYS = {(64, False), (192, False), (192, True)}
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
 # d = 192 426 / 478 | 368 / 469 -> 439 / 482 | 389 / 479; d = 96 451 / 519 | 383 / 500 -> 471 /
@@ -274,7 +279,7 @@ class BwdSm90Config(jit.KernelConfig):
     # Every block through the masked exponentials (flash-attn-4's loop) instead of a uniform
     # branch to an unmasked copy for interior blocks: one basic block, so ptxas may interleave P's
     # conversion, stores and barrier with the exponentials (the branch's join stops it), at one
-    # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS``.
+    # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS`` (d = 64 and 192).
     mask_always: bool | None = None
 
     kernel_name = "bwd_sm90"
@@ -319,7 +324,7 @@ class BwdSm90Config(jit.KernelConfig):
             # wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.mask_always is None:
-            object.__setattr__(self, "mask_always", self.hdim in SM90_BWD_MASK_ALWAYS)
+            object.__setattr__(self, "mask_always", (self.hdim, bool(self.softcap)) in SM90_BWD_MASK_ALWAYS)
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.rotate_m is None:
