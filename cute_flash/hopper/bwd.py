@@ -654,43 +654,47 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
 
     @cute.jit
     def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
-        """P^T = exp2(S^T * c - LSE2[query]) in place (softcap: of tanh(S^T * score_scale)), after
-        the key-range / causal / window mask. Padding query rows have LSE2 = +inf (preprocess),
-        so their P is 0. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
+        """P = exp2(S * c - LSE2[query]) in place (softcap: of tanh(S * score_scale)), after the
+        key-range / causal / window mask; S^T here (keys on the accumulator's rows), S in the wide
+        kernel (``stat_mode``). Padding query rows have LSE2 = +inf (preprocess), so their P is 0.
+        Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
         dtanh = self.softcap_scores(ctx, acc_S)
-        acc = acc_to_mn(acc_S)  # (keys, queries) of this thread
         bounds = self.mask_bounds(ctx, m_block)
         # By default only edge blocks (diagonal / window band, the partial last K/V block) pay for
         # the mask. ``mask_always`` masks every block instead: the compare-and-select per score
         # costs less than the branch, whose join keeps ptxas from moving the stores and waits
         # after the exponentials in among them (measured +4-5% at d = 64).
         if cutlass.const_expr(self.mask_always):
-            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, bounds)
+            self.exp2_scores(ctx, acc_S, sLSE2, lse2_regs, bounds)
         elif self.block_needs_mask(bounds):
-            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, bounds)
+            self.exp2_scores(ctx, acc_S, sLSE2, lse2_regs, bounds)
         else:
-            self.exp2_cols(ctx, acc, sLSE2, lse2_regs, None)
+            self.exp2_scores(ctx, acc_S, sLSE2, lse2_regs, None)
         return dtanh
 
     @cute.jit
-    def exp2_cols(self, ctx, acc, sLSE2, lse2_regs, bounds):
-        """``probs``' exponentials over this thread's (key, query) scores, masked by ``bounds``
+    def exp2_scores(self, ctx, acc_S, sLSE2, lse2_regs, bounds):
+        """``probs``' exponentials over this thread's scores, query by query (the accumulator's
+        columns here, its rows in the wide kernel: ``stat_mode``), masked by ``bounds``
         (``mask_bounds``) or, with None, not at all. ``mask_always`` turns the bounds into one key
         interval per query (``key_window``): a score pays one compare-and-select (two with a left
         window) instead of two (three). (The edge blocks' path of the default keeps its
         per-score compares: GPU-tested as it is.)"""
-        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            lse2 = self.stat_at(ctx, sLSE2, lse2_regs, c)
+        acc = acc_to_mn(acc_S)
+        qm = self.stat_mode  # the query mode of ``acc`` and of a ``tScS`` coordinate
+        for i in cutlass.range_constexpr(cute.size(acc, mode=[qm])):
+            lse2 = self.stat_at(ctx, sLSE2, lse2_regs, i)
             window = None
             if cutlass.const_expr(bounds is not None and self.mask_always):
-                window = self.key_window(ctx.tScS[0, c][1], bounds)
-            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                x = acc[r, c] * ctx.scale_log2 - lse2
+                window = self.key_window(self.stat_query(ctx, i), bounds)
+            for j in cutlass.range_constexpr(cute.size(acc, mode=[1 - qm])):
+                rc = (j, i) if cutlass.const_expr(qm == 1) else (i, j)
+                x = acc[rc] * ctx.scale_log2 - lse2
+                key, query = ctx.tScS[rc][1 - qm], ctx.tScS[rc][qm]
                 if cutlass.const_expr(bounds is not None and not self.mask_always):
-                    key, query = ctx.tScS[r, c]
-                    acc[r, c] = self.masked_exp2(x, key, query, bounds)
+                    acc[rc] = self.masked_exp2(x, key, query, bounds)
                 else:
-                    acc[r, c] = self.window_exp2(x, ctx.tScS[r, c][0], window)
+                    acc[rc] = self.window_exp2(x, key, window)
 
     @cute.jit
     def key_window(self, query: Int32, bounds: tuple):

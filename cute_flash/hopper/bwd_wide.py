@@ -106,7 +106,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, dos, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrdO[None, None, None, sd], ctx.tdPrV, zero_init=True, wg_wait=1)
-        dtanh = self.probs_rows(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
+        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
         # P and dS -> smem: the dK / dV / dQ GEMMs contract over every key of the tile. The
         # previous block's GEMMs (both warpgroups) must be done reading the buffers first.
         if cutlass.const_expr(self.dq_before_dk):
@@ -177,40 +177,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
     def stat_query(self, ctx, i: int):
         return ctx.tScS[i, 0][0]
-
-    @cute.jit
-    def probs_rows(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
-        """P = exp2(S c - LSE2[query]) in place after the key-range / causal / window mask (rows are
-        queries here; same bounds as ``FlashBwdSm90.probs``); softcap: of tanh(S * score_scale),
-        returning 1 - tanh^2 (fp16, as the narrow kernel) for the chain rule, else None."""
-        dtanh = self.softcap_scores(ctx, acc_S)
-        acc = acc_to_mn(acc_S)  # (queries, keys) of this thread
-        bounds = self.mask_bounds(ctx, m_block)
-        # Edge blocks only (see ``FlashBwdSm90.probs``), or every block (``mask_always``).
-        if cutlass.const_expr(self.mask_always):
-            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, bounds)
-        elif self.block_needs_mask(bounds):
-            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, bounds)
-        else:
-            self.exp2_rows(ctx, acc, sLSE2, lse2_regs, None)
-        return dtanh
-
-    @cute.jit
-    def exp2_rows(self, ctx, acc, sLSE2, lse2_regs, bounds):
-        """``probs_rows``' exponentials over this thread's (query, key) scores, masked by
-        ``bounds`` or, with None, not at all (``FlashBwdSm90.exp2_cols``, rows for columns)."""
-        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            lse2 = self.stat_at(ctx, sLSE2, lse2_regs, r)
-            window = None
-            if cutlass.const_expr(bounds is not None and self.mask_always):
-                window = self.key_window(ctx.tScS[r, 0][0], bounds)
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                x = acc[r, c] * ctx.scale_log2 - lse2
-                if cutlass.const_expr(bounds is not None and not self.mask_always):
-                    query, key = ctx.tScS[r, c]
-                    acc[r, c] = self.masked_exp2(x, key, query, bounds)
-                else:
-                    acc[r, c] = self.window_exp2(x, ctx.tScS[r, c][1], window)
 
     @cute.jit
     def dscores_rows(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):
