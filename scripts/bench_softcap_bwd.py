@@ -4,24 +4,22 @@ against our sm80 (FA2) backward -- what autograd took before the sm90 kernel cov
 
     python scripts/bench_softcap_bwd.py [--hdim 64 128] [--seqlen 4096 8192] [--softcap 30]
 
+(Timing and the flash-attn-4 closure come from ``tune_bwd_sm90.py``, next to this file: Python
+puts a script's own folder first on the import path.)
+
 B*N = 16k tokens, H*d = 2048, bf16; TFLOP/s = 2.5 x the forward's (halved for causal). Our two
 backwards' gradients are compared with each other (relative L2), so a wrong one is flagged.
 """
 
 import argparse
 import os
-import statistics
 
 import torch
-import triton.testing
+from tune_bwd_sm90 import peer_bwd, tflops_rotated
 
 from cute_flash import flash_attn_func
 
 ENV = "CUTE_FLASH_BWD_KERNEL"
-
-
-def bench(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
 def ours(family: str, q, k, v, do, causal: bool, softcap: float):
@@ -39,15 +37,6 @@ def ours(family: str, q, k, v, do, causal: bool, softcap: float):
             else:
                 os.environ[ENV] = old
     return run
-
-
-def fa4(q, k, v, do, causal: bool, softcap: float):
-    from flash_attn.cute import flash_attn_func as fa4_func
-
-    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = fa4_func(qq, kk, vv, causal=causal, softcap=softcap)
-    o = o[0] if isinstance(o, tuple) else o
-    return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
 
 
 def main() -> None:
@@ -70,17 +59,12 @@ def main() -> None:
                 rel = max(((a.float() - c.float()).norm() / c.float().norm()).item()
                           for a, c in zip(g90, g80, strict=True))
                 try:
-                    fns["fa4"] = fa4(q, k, v, do, causal, args.softcap)
+                    fns["fa4"] = peer_bwd("fa4", q, k, v, do, causal, softcap=args.softcap)
                     fns["fa4"]()
                 except Exception as e:  # noqa: BLE001 - a peer without softcap leaves a blank
                     print(f"fa4: {type(e).__name__}: {str(e)[:120]}")
                     fns.pop("fa4", None)
-                times: dict[str, list[float]] = {x: [] for x in fns}
-                names = list(fns)
-                for r in range(args.rounds):
-                    for x in names[r % len(names):] + names[:r % len(names)]:
-                        times[x].append(bench(fns[x]))
-                line = " ".join(f"{x} {flops / statistics.median(t) / 1e9:.0f}" for x, t in times.items())
+                line = tflops_rotated(fns, flops, args.rounds)
                 print(f"d{d} N{n} causal={int(causal)} softcap={args.softcap:g}: {line} "
                       f"(sm90 vs sm80 grads rel {rel:.1e})", flush=True)
 

@@ -25,19 +25,31 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def peer_bwd(name, q, k, v, do, causal):
+def peer_bwd(name, q, k, v, do, causal, softcap: float = 0.0):
     """A closure running one peer's backward alone (autograd.grad on a retained graph)."""
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
     if name == "fa4":
         from flash_attn.cute import flash_attn_func
 
-        o = flash_attn_func(qq, kk, vv, causal=causal)
+        o = flash_attn_func(qq, kk, vv, causal=causal, softcap=softcap)
         o = o[0] if isinstance(o, tuple) else o
     else:
+        assert not softcap, "SDPA has no softcap"
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = torch.nn.functional.scaled_dot_product_attention(
                 qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=causal).transpose(1, 2)
     return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
+
+
+def tflops_rotated(fns: dict, flops: float, rounds: int) -> str:
+    """``name TFLOP/s`` of each closure: median of ``rounds`` passes, the order rotated each pass
+    (the H200's clock drifts within seconds, so no provider always runs first)."""
+    times: dict[str, list[float]] = {x: [] for x in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for x in names[r % len(names):] + names[:r % len(names)]:
+            times[x].append(bench(fns[x]))
+    return " ".join(f"{x} {flops / statistics.median(t) / 1e9:.0f}" for x, t in times.items())
 
 
 def main() -> None:
@@ -98,13 +110,7 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001
                         print(f"{peer}: {type(e).__name__}: {e}")
                         fns.pop(peer, None)
-                times: dict[str, list[float]] = {x: [] for x in fns}
-                names = list(fns)
-                for r in range(args.rounds):
-                    for x in names[r % len(names):] + names[:r % len(names)]:
-                        times[x].append(bench(fns[x]))
-                line = " ".join(f"{x} {flops / statistics.median(t) / 1e9:.0f}" for x, t in times.items())
-                print(f"{tag}: {line}", flush=True)
+                print(f"{tag}: {tflops_rotated(fns, flops, args.rounds)}", flush=True)
 
 
 if __name__ == "__main__":
