@@ -156,7 +156,7 @@ def pre_threads_per_row(hdim_v: int) -> int:
 
 @dataclass(frozen=True)
 class BwdPreConfig(jit.KernelConfig):
-    """D = rowsum(dO*O), LSE*log2e, zeroed dQ accumulator (+ semaphores when deterministic)."""
+    """D = rowsum(dO*O) (- dLSE), LSE*log2e, zeroed dQ accumulator (+ semaphores when deterministic)."""
 
     dtype: str = "bf16"
     hdim: int = 128
@@ -164,6 +164,8 @@ class BwdPreConfig(jit.KernelConfig):
     tile_m: int = 64
     varlen: bool = False
     deterministic: bool = False
+    # The LSE output has a gradient (``dlse``), folded into D (see ampere/bwd_preprocess.py).
+    dlse: bool = False
     # sm90 only (griddepcontrol): let a main kernel launched with PDL start its prologue while
     # this one still runs (``BwdSm90Config.pdl``).
     launch_dependents: bool = False
@@ -194,8 +196,11 @@ class BwdPreConfig(jit.KernelConfig):
             do = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=div)
             lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
             cu_q = None
+        dlse = None
+        if self.dlse:
+            dlse = jit.fake_tensor(cutlass.Float32, (h, tq) if self.varlen else (b, h, nq), divisibility=1)
         lse2, d, dq_acc, sem = _scratch_fakes(self.varlen, h, b, self.deterministic)
-        return (o, do, lse, lse2, d, dq_acc, sem, cu_q, cutlass.Int32(0), jit.fake_stream())
+        return (o, do, lse, dlse, lse2, d, dq_acc, sem, cu_q, cutlass.Int32(0), jit.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -224,9 +229,10 @@ class BwdConfig(jit.KernelConfig):
 
         return FlashBwdSm80(self)
 
-    def pre(self) -> BwdPreConfig:
+    def pre(self, dlse: bool = False) -> BwdPreConfig:
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
-                            tile_m=self.tiles.tile_m, varlen=self.varlen, deterministic=self.deterministic)
+                            tile_m=self.tiles.tile_m, varlen=self.varlen, deterministic=self.deterministic,
+                            dlse=dlse)
 
     def post(self) -> BwdPostConfig:
         return BwdPostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, varlen=self.varlen,
@@ -359,12 +365,14 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, softmax_scale: float,
             causal: bool, window_size: tuple[int, int], softcap: float, deterministic: bool,
             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None) -> None:
+            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+            dlse: torch.Tensor | None = None) -> None:
     """Launch the backward (sm90 or sm80 family, ``bwd_family``) on validated CUDA tensors; writes
     ``dq``, ``dk``, ``dv`` in place.
 
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
-    (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key.
+    (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key; ``dlse``: the LSE output's
+    gradient (float32, lse's shape, contiguous), or None.
     """
     if v.shape[-1] > q.shape[-1]:
         # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
@@ -386,7 +394,8 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # handing back the raw window_size with the normalised causal=False would unbound its right.
         run_bwd_sm90(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
                      window_size=(left, right), softcap=softcap, cu_seqlens_q=cu_seqlens_q,
-                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk, deterministic=deterministic)
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=mq, max_seqlen_k=mk, deterministic=deterministic,
+                     dlse=dlse)
         return
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg, (pre, main, post) = _compiled(jit.resolve_arch(q.device), dtype, q.shape[-1], v.shape[-1], causal,
@@ -398,7 +407,9 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tiles.tile_m, cfg.hdim, cfg.deterministic, num_batch,
                                             rows_q, varlen)
     scale = float(softmax_scale)
-    pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    if dlse is not None:
+        pre = jit.compile_kernel(cfg.pre(dlse=True))
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)

@@ -452,13 +452,13 @@ class BwdSm90Config(jit.KernelConfig):
 
         return FlashBwdSm90(self)
 
-    def pre(self) -> BwdPreConfig:
+    def pre(self, dlse: bool = False) -> BwdPreConfig:
         threads = self.pre_threads or SM90_BWD_PRE_THREADS
         if self.tile_m % (threads // pre_threads_per_row(self.hdim_v)):
             threads = 128  # (its thread rows would not tile the query block)
         return BwdPreConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, hdim_v=self.hdim_v,
                             tile_m=self.tile_m, varlen=self.varlen, deterministic=self.deterministic,
-                            launch_dependents=self.pdl, threads=threads)
+                            launch_dependents=self.pdl, threads=threads, dlse=dlse)
 
     def post(self) -> BwdSm90PostConfig:
         return BwdSm90PostConfig(target=self.target, dtype=self.dtype, hdim=self.hdim, tile_m=self.tile_m,
@@ -496,7 +496,7 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
                  cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                  max_seqlen_k: int | None = None, deterministic: bool = False,
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, dlse: torch.Tensor | None = None) -> None:
     """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
     ``bwd.run_bwd`` (which calls it on Hopper); writes ``dq``, ``dk``, ``dv``. ``overrides``:
     BwdSm90Config fields (tuning scripts)."""
@@ -512,10 +512,10 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in (overrides or {})
             and cfg.lpt_last_section_short(mq * (q.shape[-2] // k.shape[-2]), k.shape[-2])):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)
-    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(), cfg, cfg.post()))
+    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(dlse=dlse is not None), cfg, cfg.post()))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
-    pre(out, dout, lse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale, float(softcap),
          left, right, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)

@@ -165,9 +165,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
               causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
               cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
-              max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              max_k: int | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
-                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                       dlse=dlse)
     dq, dk, dv = _alloc_bwd(q, k, v)
     if _is_empty(q, k):
         for g in (dq, dk, dv):
@@ -179,20 +180,22 @@ def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     with torch.cuda.device(q.device):
         run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv), softmax_scale=scale,
                 causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                dlse=None if dlse is None else dlse.contiguous())
     return dq, dk, dv
 
 
 def _bwd_cpu(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
              causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
              cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
-             max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             max_k: int | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
-                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+                       cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                       dlse=dlse)
     dq, dk, dv = _alloc_bwd(q, k, v)
     grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
                                         window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
-                                        cu_seqlens_k=cu_k)
+                                        cu_seqlens_k=cu_k, dlse=dlse)
     for dst, src in zip((dq, dk, dv), grads, strict=True):
         dst.copy_(src)
     return dq, dk, dv
@@ -200,57 +203,60 @@ def _bwd_cpu(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 def _bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
               window: tuple[int, int], softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
-              max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              max_q: int | None = None, max_k: int | None = None,
+              dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                       check_data=False)
+                       dlse=dlse, check_data=False)
     return _alloc_bwd(q, k, v)
 
 
 @torch.library.custom_op("cute_flash::bwd", mutates_args=(), device_types="cpu")
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward on (B, N, H, d) inputs: (dq, dk, dv) shaped like q, k, v."""
+        deterministic: bool = False, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward on (B, N, H, d) inputs: (dq, dk, dv) shaped like q, k, v. ``dlse``: the
+    gradient of the forward's LSE output (float32, lse's shape), or None."""
     return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                    deterministic)
+                    deterministic, dlse=dlse)
 
 
 @bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-      deterministic=False):
+      deterministic=False, dlse=None):
     return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                     deterministic)
+                     deterministic, dlse=dlse)
 
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-      deterministic=False):
-    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap)
+      deterministic=False, dlse=None):
+    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap, dlse=dlse)
 
 
 @torch.library.custom_op("cute_flash::varlen_bwd", mutates_args=(), device_types="cpu")
 def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int, window_right: int, softcap: float,
-               deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward on packed (total, H, d) inputs: (dq, dk, dv) shaped like q, k, v."""
+               deterministic: bool = False, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward on packed (total, H, d) inputs: (dq, dk, dv) shaped like q, k, v. ``dlse``:
+    the gradient of the forward's LSE output (float32, (H, total)), or None."""
     return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
 
 
 @varlen_bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic=False):
+      window_left, window_right, softcap, deterministic=False, dlse=None):
     return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                     deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                     deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
 
 
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic=False):
+      window_left, window_right, softcap, deterministic=False, dlse=None):
     return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap,
-                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,38 +289,17 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Ten
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     scale, causal, wl, wr, softcap, deterministic = ctx.params
 
-    def run_bwd_op(do: Tensor, v_: Tensor, out_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if ctx.varlen is None:
-            return torch.ops.cute_flash.bwd(do, q, k, v_, out_, lse, scale, causal, wl, wr, softcap,
-                                            deterministic)
-        return torch.ops.cute_flash.varlen_bwd(do, q, k, v_, out_, lse, cu_q, cu_k, *ctx.varlen, scale,
-                                               causal, wl, wr, softcap, deterministic)
-
-    dq = dk = dv = None
-    if dout is not None:
-        dq, dk, dv = run_bwd_op(kernel_ready(dout), v, out)
+    if dout is None and dlse is None:
+        return None, None, None
+    # Only the LSE used: dO = 0 (its dv is then exactly 0). A used LSE costs no second backward:
+    # the preprocess folds dlse into D (d lse_i / d s_ij = P_ij adds P_ij dlse_i to dS_ij).
+    dout = torch.zeros_like(out) if dout is None else kernel_ready(dout)
     if dlse is not None:
-        dq_l, dk_l = _lse_grads(dlse, q, v, run_bwd_op, varlen=ctx.varlen is not None)
-        dq = dq_l if dq is None else (dq.float() + dq_l.float()).to(q.dtype)
-        dk = dk_l if dk is None else (dk.float() + dk_l.float()).to(k.dtype)
-    return dq, dk, dv
-
-
-def _lse_grads(dlse: Tensor, q: Tensor, v: Tensor, run_bwd_op, varlen: bool) -> tuple[Tensor, Tensor]:
-    """dq, dk contributions of a gradient on the LSE, from one more backward-op call.
-
-    d lse_i / d s_ij = P_ij, so the LSE adds P_ij * dlse_i to dS_ij. The backward op computes
-    dS = P * (dO V^T - rowsum(dO * O)) (times the softcap factor). Feeding it V' = ones,
-    dO' = dlse in column 0 and zeros elsewhere, and O' = 0 makes dO' V'^T = dlse_i for every j and
-    the rowsum 0, so its dq and dk are exactly the LSE's contributions, softcap and masks included.
-    Its dv is meaningless and dropped.
-    """
-    g = dlse.t() if varlen else dlse.transpose(1, 2)  # (.., Nq, H), like q without its head dim
-    dout_l = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    dout_l[..., 0] = g
-    # V' with v's head dim, so this reuses the compiled variant of the main backward.
-    dq, dk, _ = run_bwd_op(dout_l, torch.ones_like(v), torch.zeros_like(dout_l))
-    return dq, dk
+        dlse = dlse.float().contiguous()
+    flags = (scale, causal, wl, wr, softcap, deterministic, dlse)
+    if ctx.varlen is None:
+        return torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *flags)
+    return torch.ops.cute_flash.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.varlen, *flags)
 
 
 def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):

@@ -235,9 +235,10 @@ def _sum_kv_group(x: torch.Tensor, hkv: int) -> torch.Tensor:
 def flash_bwd_tiled_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float | None = None,
                         causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                        block_m: int = 64, block_n: int = 64
+                        block_m: int = 64, block_n: int = 64, dlse: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FA2 backward on (B, N, H, d) inputs, from the forward's ``out`` and ``lse``.
+    """FA2 backward on (B, N, H, d) inputs, from the forward's ``out`` and ``lse`` (and ``dlse``,
+    the gradient of the LSE output, (B, H, N), if it has one).
 
     Outer loop over key tiles (each owns its dK/dV accumulators, as a kernel CTA does), inner
     loop over query tiles; P is recomputed from the LSE instead of being stored. Returns dq, dk,
@@ -254,6 +255,9 @@ def flash_bwd_tiled_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     # D_i = rowsum(dO * O) = sum_j P_ij dP_ij: the softmax Jacobian's correction term, computed
     # once per row up front (the kernels' preprocessing pass).
     delta = (dot * ot).sum(dim=-1)
+    if dlse is not None:
+        # d lse_i / d s_ij = P_ij: the LSE's gradient adds P_ij dlse_i to dS_ij = P_ij (dP_ij - D_i).
+        delta = delta - dlse.to(cdt)
     # Rows that saw no key have lse -inf; +inf makes exp(S - lse) = 0 there instead of NaN.
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse.to(cdt))
     dq = torch.zeros_like(qt)
@@ -283,10 +287,11 @@ def flash_bwd_tiled_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float | None = None,
                       causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                      dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense backward from ``out`` and ``lse`` (the FA2 identities on a single tile), also for
-    packed varlen inputs; dq, dk, dv in fp32 (fp64 for fp64 inputs).
+    packed varlen inputs; dq, dk, dv in fp32 (fp64 for fp64 inputs). ``dlse``: the LSE output's
+    gradient (lse's shape) or None.
 
     This, not torch autograd, is what the CPU implementation of the backward op runs: inside a
     custom op's implementation autograd is switched off, and like the kernels it should consume
@@ -295,7 +300,7 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     if cu_seqlens_q is None:
         return flash_bwd_tiled_ref(dout, q, k, v, out, lse, block_m=max(q.shape[1], 1),
-                                   block_n=max(k.shape[1], 1), **kw)
+                                   block_n=max(k.shape[1], 1), dlse=dlse, **kw)
     cdt = _compute_dtype(q.dtype, True)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
@@ -304,6 +309,7 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     for b in range(len(bq) - 1):
         sq, sk = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
         grads = attention_bwd_ref(dout[sq].unsqueeze(0), q[sq].unsqueeze(0), k[sk].unsqueeze(0),
-                                  v[sk].unsqueeze(0), out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), **kw)
+                                  v[sk].unsqueeze(0), out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0),
+                                  dlse=None if dlse is None else dlse[:, sq].unsqueeze(0), **kw)
         dq[sq], dk[sk], dv[sk] = (g[0] for g in grads)
     return dq, dk, dv

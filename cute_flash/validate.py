@@ -276,8 +276,10 @@ def check_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               lse: torch.Tensor, *, softmax_scale: float, window_size: Sequence[int] = (-1, -1),
               softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None, check_data: bool = True) -> None:
-    """Everything the backward kernels assume: the forward's checks plus dout/out/lse."""
+              max_seqlen_k: int | None = None, dlse: torch.Tensor | None = None,
+              check_data: bool = True) -> None:
+    """Everything the backward kernels assume: the forward's checks plus dout/out/lse (and dlse,
+    the LSE output's gradient, when given)."""
     check_fwd(q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, check_data=check_data)
@@ -298,3 +300,9 @@ def check_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"lse must have shape {lse_shape}, got {tuple(lse.shape)}")
     if lse.shape[-1] > 1 and lse.stride(-1) != 1:
         raise ValueError(f"lse must be contiguous in its last dim, got strides {tuple(lse.stride())}")
+    if dlse is not None:
+        check_same_device({"q": q, "dlse": _require_tensor("dlse", dlse)})
+        if dlse.dtype != torch.float32:
+            raise TypeError(f"dlse must be float32, got {_fmt_dtype(dlse.dtype)}")
+        if tuple(dlse.shape) != lse_shape:
+            raise ValueError(f"dlse must have lse's shape {lse_shape}, got {tuple(dlse.shape)}")

@@ -169,3 +169,24 @@ def test_varlen_scratch_holds_every_padded_batch() -> None:
             assert start >= end
             end = start + -(-n // tm) * tm
         assert end <= rows
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_preprocess_with_an_lse_gradient_reads_it_once_per_row(target: str, varlen: bool) -> None:
+    """``dlse``: the preprocess loads dLSE beside D's row sum and subtracts it (one scalar load and
+    one FSUB per row it owns), no spills; the main kernel is unchanged (D carries the term)."""
+    import dataclasses
+
+    from cute_flash.bwd_sm90 import BwdSm90Config
+
+    if target == "sm_80":
+        base = bwd_configs(target, "bf16", 128, 128, True, False, False, varlen, False)[0]
+    else:
+        base = BwdSm90Config(target=target, hdim=128, causal=True, varlen=varlen).pre()
+    plain_ptx = check_no_spills(base)
+    ptx = check_no_spills(dataclasses.replace(base, dlse=True))
+    rows = base.tile_m * (64 // 8) // base.threads  # rows per thread that owns a D row (d_v = 128)
+    loads = [len(re.findall(r"ld\.global\.(?:b32|f32)", p)) for p in (plain_ptx, ptx)]
+    assert loads[1] - loads[0] == rows
+    assert ptx.count("sub.f32") - plain_ptx.count("sub.f32") == rows

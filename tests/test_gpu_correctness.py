@@ -565,25 +565,54 @@ def test_deterministic_backward_is_bitwise_reproducible(seed, case):
             assert torch.equal(a, b), f"{name} differs between deterministic runs [{case}] seed={seed}"
 
 
-@pytest.mark.parametrize("case", [
+LSE_GRAD_CASES = [
     Case(dtype=BF16, hdim=128, causal=True, heads=(8, 2), nq=1000, nk=1000),
     Case(dtype=FP16, hdim=64, softcap=30.0, window=(64, 32), nq=113, nk=1000),
-], ids=str)
-def test_gradient_through_lse_within_twice_pytorch_error(seed, case):
+    Case(dtype=BF16, hdim=192, causal=True, heads=(6, 2), nq=700, nk=500),  # wide sm90 kernel, empty rows
+    Case(dtype=BF16, hdim=256, window=(100, 0), nq=300, nk=300),
+    Case(dtype=FP16, hdim=32, heads=(4, 1), nq=77, nk=300),  # sm80 backward on every GPU
+]
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+@pytest.mark.parametrize("case", LSE_GRAD_CASES, ids=str)
+def test_gradient_through_lse_within_twice_pytorch_error(seed, case, family, monkeypatch):
+    """A used LSE: its gradient is folded into the preprocess's D (one backward pass), in both
+    backward families; also with the LSE as the only output used, and packed (varlen)."""
+    from cute_flash.bwd import BWD_KERNEL_ENV
+
+    monkeypatch.setenv(BWD_KERNEL_ENV, family)
+
     def loss_grads(fn, q, k, v, dout, dlse, **kw):
         q, k, v = leaves((q, k, v))
         out, lse = fn(q, k, v, **kw)
-        loss = (out.float() * dout.float()).sum() + (finite_lse(lse) * dlse).sum()
-        return torch.autograd.grad(loss, (q, k, v))
+        loss = (finite_lse(lse) * dlse).sum()
+        if dout is not None:
+            loss = loss + (out.float() * dout.float()).sum()
+        return torch.autograd.grad(loss, (q, k, v), allow_unused=True)
+
+    def check(q, k, v, dout, dlse, label, **kw):
+        ours = loss_grads(ours_fn, q, k, v, dout, dlse, **kw)
+        ref = loss_grads(ref_fn(True), *(t.float() for t in (q, k, v)), dout, dlse, **kw)
+        same = loss_grads(ref_fn(False), q, k, v, dout, dlse, **kw)
+        for name, g, r, s in zip(("dq", "dk", "dv"), ours, ref, same, strict=True):
+            if r is None:  # the LSE alone does not depend on v
+                assert g is None or not g.abs().any(), f"{name} of the LSE alone must be 0 [{label}]"
+                continue
+            assert_rule(name, g, r, s, FLOOR_BWD, seed, label)
 
     q, k, v = make_qkv(case)
     dout = torch.randn(*q.shape[:-1], case.dv, dtype=q.dtype, device="cuda")
     dlse = torch.randn(case.batch, case.heads[0], case.nq, device="cuda")
-    ours = loss_grads(ours_fn, q, k, v, dout, dlse, **case.kwargs())
-    ref = loss_grads(ref_fn(True), *(t.float() for t in (q, k, v)), dout, dlse, **case.kwargs())
-    same = loss_grads(ref_fn(False), q, k, v, dout, dlse, **case.kwargs())
-    for name, g, r, s in zip(("dq", "dk", "dv"), ours, ref, same, strict=True):
-        assert_rule(name, g, r, s, FLOOR_BWD, seed, case)
+    check(q, k, v, dout, dlse, f"{case} {family}", **case.kwargs())
+    check(q, k, v, None, dlse, f"{case} {family} lse only", **case.kwargs())
+    # Packed: the batch's sequences back to back (lengths nq / nk each), dlse as (H, total).
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    cu_q = cu_seqlens([case.nq] * case.batch)
+    cu_k = cu_seqlens([case.nk] * case.batch)
+    check(*flat, dout.reshape(-1, *dout.shape[2:]), dlse.transpose(0, 1).reshape(case.heads[0], -1),
+          f"{case} {family} varlen", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=case.nq,
+          max_seqlen_k=case.nk, **case.kwargs())
 
 
 def test_compiled_functions_match_eager(seed):

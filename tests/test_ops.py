@@ -72,6 +72,9 @@ def test_opcheck_fwd_and_bwd(seed, m):
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cute_flash.bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, *args, True))
+    torch.library.opcheck(torch.ops.cute_flash.bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, *args, False,
+                           torch.randn_like(lse)))
 
 
 @pytest.mark.parametrize("m", MASKS[:2], ids=["full", "causal"])
@@ -83,6 +86,9 @@ def test_opcheck_varlen_fwd_and_bwd(seed, m):
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cute_flash.varlen_bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, *args, False))
+    torch.library.opcheck(torch.ops.cute_flash.varlen_bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, *args, False,
+                           torch.randn_like(lse)))
 
 
 def test_fake_implementation_gives_kernel_output_shapes():
@@ -139,15 +145,44 @@ def test_gradient_through_lse_with_softcap(seed):
     assert_grads_close(got, ref_grads(q, k, v, dout, dlse, softcap=2.0, window_size=(6, 2)))
 
 
-def test_unused_lse_costs_no_extra_backward_work(seed, monkeypatch):
-    def fail(*_a, **_kw):
-        raise AssertionError("lse gradient path taken although lse is unused")
+def spy_backward_op(monkeypatch) -> list[dict]:
+    """Records, per call of the backward op's CPU implementation, its deterministic flag and dlse."""
+    seen = []
+    real = ops._bwd_cpu
 
-    monkeypatch.setattr(ops, "_lse_grads", fail)
+    def spy(*args, **kw):
+        dlse = kw["dlse"] if "dlse" in kw else (args[15] if len(args) > 15 else None)
+        seen.append(dict(deterministic=args[10], dlse=dlse))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ops, "_bwd_cpu", spy)
+    return seen
+
+
+def test_unused_lse_reaches_the_backward_op_as_none(seed, monkeypatch):
+    seen = spy_backward_op(monkeypatch)
     q, k, v = qkv(requires_grad=True)
     out, _ = cute_flash.flash_attn_func(q, k, v, return_lse=True)
     out.sum().backward()
     torch.compile(cute_flash.flash_attn_func, fullgraph=True, backend="aot_eager")(q, k, v).sum().backward()
+    assert [c["dlse"] for c in seen] == [None, None]
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_used_lse_costs_one_backward_call_with_dlse_folded_in(seed, monkeypatch, varlen):
+    # Out and lse both used: one backward-op call carries dlse (the kernels fold it into D), not
+    # a second call per gradient.
+    seen = spy_backward_op(monkeypatch)
+    if varlen:
+        q, k, v, cu_q, cu_k = packed([5, 9], [7, 4], requires_grad=True)
+        out, lse = cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 7, return_lse=True)
+    else:
+        q, k, v = qkv(nq=9, nk=7, requires_grad=True)
+        out, lse = cute_flash.flash_attn_func(q, k, v, return_lse=True)
+    dlse = torch.randn_like(lse)
+    ((out.float() ** 2).sum() + (lse * dlse).sum()).backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0]["dlse"], dlse)
 
 
 def test_backward_accepts_a_stride_zero_dout(seed):
@@ -159,18 +194,11 @@ def test_backward_accepts_a_stride_zero_dout(seed):
 
 
 def test_deterministic_flag_reaches_the_backward_op(seed, monkeypatch):
-    seen = []
-    real = ops._bwd_cpu
-
-    def spy(*args):
-        seen.append(args[10])
-        return real(*args)
-
-    monkeypatch.setattr(ops, "_bwd_cpu", spy)
+    seen = spy_backward_op(monkeypatch)
     q, k, v = qkv(requires_grad=True)
     for det in (True, False):
         cute_flash.flash_attn_func(q, k, v, deterministic=det).sum().backward()
-    assert seen == [True, False]
+    assert [c["deterministic"] for c in seen] == [True, False]
 
 
 def test_varlen_matches_dense_per_sequence(seed):

@@ -210,13 +210,20 @@ def test_tiled_forward_matches_dense_reference(p):
 
 @settings(max_examples=40, deadline=None)
 @given(p=problems)
-def test_tiled_backward_matches_torch_autograd(p):
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["out", "out+lse"])
+def test_tiled_backward_matches_torch_autograd(p, with_dlse):
+    """Also with a gradient on the LSE output, which the tiled backward folds into D = rowsum(dO*O)
+    (as the kernels' preprocess does) instead of a second pass."""
     q, k, v, kw = _make(p, requires_grad=True)
     out, lse = attention_ref(q, k, v, **kw)
     dout = torch.randn_like(out)
-    want = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    loss = (out * dout).sum()
+    if with_dlse:
+        loss = loss + (torch.where(torch.isneginf(lse), 0.0, lse) * dlse).sum()
+    want = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
     got = flash_bwd_tiled_ref(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
-                              block_m=p["block_m"], block_n=p["block_n"], **kw)
+                              block_m=p["block_m"], block_n=p["block_n"], dlse=dlse, **kw)
     for g, w, t in zip(got, want, (q, k, v), strict=True):
         assert g.shape == t.shape
         torch.testing.assert_close(g, torch.zeros_like(t) if w is None else w)
@@ -243,9 +250,11 @@ def test_dense_backward_reference_matches_autograd_for_varlen(seed):
     v = torch.randn(sum(lens_k), 2, 16, dtype=F64, requires_grad=True)
     kw = dict(causal=True, softcap=2.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     out, lse = attention_ref(q, k, v, **kw)
-    dout = torch.randn_like(out)
-    want = torch.autograd.grad(out, (q, k, v), dout)
-    got = attention_bwd_ref(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), **kw)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out * dout).sum() + (torch.where(torch.isneginf(lse), 0.0, lse) * dlse).sum()
+    want = torch.autograd.grad(loss, (q, k, v))
+    got = attention_bwd_ref(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dlse=dlse,
+                            **kw)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 

@@ -323,8 +323,11 @@ def _bwd_args():
     (dict(lse=torch.randn(2, 4, 8, dtype=torch.float64)), TypeError, "lse must be float32, got float64"),
     (dict(lse=torch.randn(2, 8, 4)), ValueError, r"lse must have shape \(2, 4, 8\), got \(2, 8, 4\)"),
     (dict(lse=torch.randn(2, 4, 16)[..., ::2]), ValueError, "lse must be contiguous in its last dim"),
+    (dict(dlse=torch.randn(2, 4, 8, dtype=BF16)), TypeError, "dlse must be float32, got bfloat16"),
+    (dict(dlse=torch.randn(2, 4, 7)), ValueError, r"dlse must have lse's shape \(2, 4, 8\), got \(2, 4, 7\)"),
+    (dict(dlse=0.5), TypeError, "dlse must be a torch.Tensor"),
 ])
-def test_backward_rejects_bad_dout_out_or_lse(change, exc, pattern):
+def test_backward_rejects_bad_dout_out_lse_or_dlse(change, exc, pattern):
     args = _bwd_args() | change
     with pytest.raises(exc, match=pattern):
         validate.check_bwd(softmax_scale=0.1, **args)

@@ -2,7 +2,10 @@
 
 One CTA per (query block, head, batch), ``tile_m`` = the main kernel's query tile:
 
-* ``D[i] = sum_d dO[i, d] * O[i, d]`` in fp32 (the softmax-Jacobian term of dS = P (dP - D));
+* ``D[i] = sum_d dO[i, d] * O[i, d]`` in fp32 (the softmax-Jacobian term of dS = P (dP - D)),
+  minus ``dLSE[i]`` when the LSE output has a gradient: d LSE_i / d S_ij = P_ij, so that gradient
+  adds P_ij dLSE_i to dS_ij, which is the same as lowering D_i by dLSE_i -- the main kernel then
+  needs no change and no second pass (softcap and masks included, since they act on dS as a whole);
 * ``LSE2[i] = LSE[i] * log2(e)`` so the main kernel recomputes P with one FFMA + ``ex2`` per
   score; a row that saw no key (LSE = -inf) gets +inf, which makes its P exactly 0 instead of
   exp2(-inf + inf) = NaN;
@@ -40,11 +43,13 @@ class FlashBwdPreSm80:
         assert self.tile_m % (self.num_threads // self.threads_per_row) == 0
 
     @cute.jit
-    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-                 mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor | None,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
                  mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, stream):
         mO, mdO = [common.to_seq_dim_head(t) for t in (mO, mdO)]
         mLSE, mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE, mLSE2, mD, mdQaccum)]
+        if cutlass.const_expr(mdLSE is not None):
+            mdLSE = common.lse_to_seq_head(mdLSE)
         if cutlass.const_expr(mSemaphore is not None):
             mSemaphore = common.lse_to_seq_head(mSemaphore)
         if cutlass.const_expr(self.varlen):
@@ -54,12 +59,12 @@ class FlashBwdPreSm80:
             num_batch = mO.shape[3]
             seqlen_q = mO.shape[0]
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mO.shape[2], num_batch)
-        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQaccum, mSemaphore, mCuSeqlensQ).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, mCuSeqlensQ).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor | None,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
                mCuSeqlensQ: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -69,11 +74,11 @@ class FlashBwdPreSm80:
         seqlen = SeqlenInfo(batch, mO.shape[0], mO.shape[0], mCuSeqlensQ, None)
         # Varlen grids are sized by the longest sequence; blocks past this one's end own no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:
-            self.rowsum_dO_O(mO, mdO, mLSE, mLSE2, mD, seqlen, tidx, m_block, head, batch)
+            self.rowsum_dO_O(mO, mdO, mLSE, mdLSE, mLSE2, mD, seqlen, tidx, m_block, head, batch)
             self.clear_accumulators(mdQaccum, mSemaphore, seqlen, tidx, m_block, head, batch)
 
     @cute.jit
-    def rowsum_dO_O(self, mO, mdO, mLSE, mLSE2, mD, seqlen: SeqlenInfo, tidx, m_block, head, batch):
+    def rowsum_dO_O(self, mO, mdO, mLSE, mdLSE, mLSE2, mD, seqlen: SeqlenInfo, tidx, m_block, head, batch):
         tile = (self.tile_m, self.hdim_v)
         # Built inside the kernel: copy atoms are compile-time objects and cost nothing.
         self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
@@ -119,9 +124,17 @@ class FlashBwdPreSm80:
             prod = rO[None, m, None].load().to(Float32) * rdO[None, m, None].load().to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dots[m] = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=self.threads_per_row)
+        gdLSE = None
+        if cutlass.const_expr(mdLSE is not None):
+            gdLSE = cute.local_tile(seqlen.q_vec(mdLSE, head, batch), (self.tile_m,), (m_block,))
         if tOcO[0, 0, 0][1] == 0:
             for m in cutlass.range_constexpr(num_rows):
-                gD[tOcO[0, m, 0][0]] = dots[m]  # 0 on padding rows (their O/dO were never loaded)
+                row = tOcO[0, m, 0][0]
+                d = dots[m]  # 0 on padding rows (their O/dO were never loaded)
+                if cutlass.const_expr(gdLSE is not None):
+                    if row < rows_left:
+                        d = d - gdLSE[row]
+                gD[row] = d
 
     @cute.jit
     def clear_accumulators(self, mdQaccum, mSemaphore, seqlen: SeqlenInfo, tidx, m_block, head, batch):
