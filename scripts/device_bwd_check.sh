@@ -3,10 +3,9 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bwdnew] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# (Session 8: the FP8 kernel's sum_mma measured and on at d = 128; the causal backward
-# candidates of part bwdtune measured and left off. Queued for session 9: Q / K quantize with
-# several rows per warp -- its GPU test is in part fp8tests, its timing in part fp8's quantize
-# lines, qk_lanes=8 / 16 beside 32.)
+# Queued (session 18, which had no device): part tests runs the new LSE-gradient GPU test
+# (dlse folded into the preprocess, `-k lse`), part bench the grid with `mask_always` at d = 64,
+# part bwdtune `mask_always` at d = 128.
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
@@ -36,13 +35,13 @@ for p in "${parts[@]}"; do
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
     bwdtune)
-      # Issue 4: what is left against flash-attn-4 is d = 64 and d = 128 causal (0.93-0.99x, worst
-      # at 4k / 8k; session 7 table). Candidates on the causal grid: the longest-first walk off
-      # (does LPT's order cost L2 locality at these sizes?), the dQ writer warp off (its smem
-      # costs a stage), one Q / dO stage with the writer.
+      # Issue 4, queued since session 18: `mask_always` (one basic block per loop body, on at
+      # d = 64 / 192 since session 17) where it is not measured -- d = 128 (its non-causal 16k cell
+      # is at 0.98x flash-attn-4; the SASS loop is 411 / 461 instructions with it, 480 / 577
+      # without, flash-attn-4's causal 440), then d = 96 / 256 and d = 64 with softcap.
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
-        --seqlen ${BWD_TUNE_SEQLENS:-4096 8192} --causal ${BWD_TUNE_CAUSAL:-1} --variant ${BWD_TUNE_VARIANTS:-lpt=0 dq_warp=0 stages=1 lpt=0,dq_warp=0} \
+        --seqlen ${BWD_TUNE_SEQLENS:-2048 8192 16384} --causal ${BWD_TUNE_CAUSAL:-0 1} --variant ${BWD_TUNE_VARIANTS:-mask_always=1} \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;
