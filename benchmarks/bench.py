@@ -5,7 +5,8 @@
     python benchmarks/bench.py --ablation [--out DIR]
 
 Providers: ``ours`` is the public API as it runs on this GPU (on Hopper: the sm90 FA3 forward);
-``ours-det`` (not in the default set) is ours with ``deterministic=True`` (bwd: ordered dQ adds).
+``ours-det`` (not in the default set) is ours with ``deterministic=True`` (bwd: ordered dQ adds);
+``fa4-det`` the same for flash-attn-4 (its table column ``ours-det/fa4-det`` compares the two).
 ``ours-sm80`` (not in the default set) forces our sm80 FA2 forward with ``CUTE_FLASH_FWD_KERNEL=sm80``
 around each forward call, for comparison on Hopper; its backward is our usual (sm80) backward.
 ``--ablation`` times only the sm90 forward at d=128, N=8192 with ping-pong and intra-warpgroup
@@ -53,9 +54,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, without installi
     sys.path.insert(0, str(REPO))
 
 PROVIDERS = ("ours", "sdpa-flash", "sdpa-cudnn", "fa4")  # the default set
-ALL_PROVIDERS = (*PROVIDERS, "ours-sm80", "ours-det")
+ALL_PROVIDERS = (*PROVIDERS, "ours-sm80", "ours-det", "fa4-det")
 OURS = ("ours", "ours-sm80", "ours-det")
-PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
+PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4", "fa4-det")
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HDIMS = (64, 128, 256)
 SANITY_REL_L2 = 2e-2  # two correct bf16 attentions differ by ~3e-3 relative L2
@@ -114,11 +115,13 @@ def _sdpa(backend_name: str) -> Fwd:
     return fwd
 
 
-def _fa4() -> Fwd:
+def _fa4(deterministic: bool = False) -> Fwd:
     from flash_attn.cute import flash_attn_func  # flash-attn-4 (CuTe DSL); absent -> skipped
 
+    kw = dict(deterministic=True) if deterministic else {}
+
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        r = flash_attn_func(q, k, v, causal=causal)
+        r = flash_attn_func(q, k, v, causal=causal, **kw)
         return r[0] if isinstance(r, tuple) else r  # some versions return (out, lse)
 
     return fwd
@@ -138,6 +141,7 @@ FACTORIES: dict[str, Callable[[], Fwd]] = {
     "sdpa-flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa-cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "fa4": _fa4,
+    "fa4-det": lambda: _fa4(deterministic=True),
 }
 
 
@@ -345,6 +349,9 @@ def markdown_table(results: list[dict[str, Any]], providers: list[str]) -> str:
     head = ["d", "causal", "N", "dir", *[short[p] for p in providers]]
     if "ours" in providers:
         head += [f"ours/{short[p]}" for p in peers] + ["ours MiB", "ours ΔL2"]
+    both_det = "ours-det" in providers and "fa4-det" in providers  # deterministic modes side by side
+    if both_det:
+        head.append("ours-det/fa4-det")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dir_rank = {"fwd": 0, "bwd": 1}
     order = sorted(cells, key=lambda c: (c[0], c[1], dir_rank[c[2]], c[3]))  # as in peers-h200.md
@@ -359,6 +366,9 @@ def markdown_table(results: list[dict[str, Any]], providers: list[str]) -> str:
             vals.append(f"{ours['peak_mib']:.0f}" if ours.get("peak_mib") is not None else "")
             dl2 = ours.get("rel_l2_vs_sdpa")
             vals.append("" if dl2 is None else f"{dl2:.1e}" + ("" if dl2 <= SANITY_REL_L2 else " (!)"))
+        if both_det:
+            det, fdet = tf.get("ours-det"), tf.get("fa4-det")
+            vals.append(f"{det / fdet:.2f}" if det and fdet else "")
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

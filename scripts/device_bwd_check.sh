@@ -4,8 +4,10 @@
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bwdnew] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
 # Queued (session 18, which had no device): part tests runs the new LSE-gradient GPU test
-# (dlse folded into the preprocess, `-k lse`), part bench the grid with `mask_always` at d = 64,
-# part bwdtune `mask_always` at d = 128.
+# (dlse folded into the preprocess, `-k lse`) and the writer-warp deterministic mode's
+# reproducibility test, part bench the grid with `mask_always` at d = 64 (and flash-attn-4's
+# deterministic mode beside ours), part bwdtune `mask_always` at d = 128 and the writer-warp
+# deterministic mode.
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
@@ -30,18 +32,21 @@ for p in "${parts[@]}"; do
       cat /tmp/shards/shard_*.log > "$OUT/tests_all.log" 2>/dev/null
       cut -c1-200 "$OUT/tests_summary.txt" ;;
     bench)
-      timeout "${BENCH_TIMEOUT:-260}" python benchmarks/bench.py --dir bwd --seqlen 2048 4096 8192 16384 --rounds 3 \
-        --providers ours ours-det sdpa-flash sdpa-cudnn fa4 --out "$OUT" > "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-320}" python benchmarks/bench.py --dir bwd --seqlen 2048 4096 8192 16384 --rounds 3 \
+        --providers ours ours-det sdpa-flash sdpa-cudnn fa4 fa4-det --out "$OUT" > "$OUT/bench.log" 2>&1
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
     bwdtune)
       # Issue 4, queued since session 18: `mask_always` (one basic block per loop body, on at
       # d = 64 / 192 since session 17) where it is not measured -- d = 128 (its non-causal 16k cell
       # is at 0.98x flash-attn-4; the SASS loop is 411 / 461 instructions with it, 480 / 577
-      # without, flash-attn-4's causal 440), then d = 96 / 256 and d = 64 with softcap.
+      # without, flash-attn-4's causal 440), then d = 96 / 256 and d = 64 with softcap. Deterministic
+      # mode through the dQ writer warp (`deterministic=1,dq_warp=1`, flash-attn-4's sm90 scheme)
+      # beside the default deterministic mode (the consumers' own ordered reductions).
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
-        --seqlen ${BWD_TUNE_SEQLENS:-2048 8192 16384} --causal ${BWD_TUNE_CAUSAL:-0 1} --variant ${BWD_TUNE_VARIANTS:-mask_always=1} \
+        --seqlen ${BWD_TUNE_SEQLENS:-2048 8192} --causal ${BWD_TUNE_CAUSAL:-0 1} \
+        --variant ${BWD_TUNE_VARIANTS:-mask_always=1 deterministic=1 deterministic=1,dq_warp=1} \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;

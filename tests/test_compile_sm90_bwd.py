@@ -56,6 +56,17 @@ VARIANTS = [
     for d, c, vl, desc in ((128, False, False, False), (128, True, True, False), (128, True, False, True),
                            (256, True, True, True), (96, True, False, True), (192, False, True, True))
 ] + [
+    # Deterministic dQ through the writer warp (flash-attn-4's sm90 scheme): its lane 0 waits on
+    # the semaphore and publishes after the bulk adds complete; the consumers hand dQ over as in
+    # the default mode.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, local=lo, varlen=vl, softcap=sc,
+                  deterministic=True, dq_warp=True)
+    for d, dv, c, lo, vl, sc in ((64, 64, False, False, False, False), (64, 64, True, False, True, False),
+                                 (96, 96, True, False, False, False), (128, 128, False, False, False, True),
+                                 (128, 128, True, False, True, False), (192, 192, True, False, False, False),
+                                 (192, 128, False, False, False, False),
+                                 (256, 256, False, True, False, False))
+] + [
     # LSE2 / D read into registers under the S^T / dP^T wgmmas (narrow kernel: default at d = 128),
     # or under S / dP (wide kernel: 2 + 2 per thread, softcap included).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
@@ -162,6 +173,7 @@ def _id(cfg: BwdSm90Config) -> str:
              "rotate_m", "mask_always")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
+    flags += ["writer"] if cfg.deterministic and cfg.dq_warp else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
     flags += ["fa4-order"] if cfg.hdim > 128 and cfg.dq_before_dk else []
@@ -617,11 +629,13 @@ def test_sm90_bwd_varlen_gradients_within_twice_pytorch_error(d: int, causal: bo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("writer", [False, True], ids=["consumers", "writer"])
 @pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
-def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool) -> None:
-    """100 runs bitwise equal, in either dQ order (descending: ``det_descending``); the first also
-    within the 2x rule of the fp32 reference. 16k keys = 128 K/V blocks per head, more CTAs than
-    SMs, so a wait on a CTA that cannot become resident would hang here."""
+def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool, writer: bool) -> None:
+    """100 runs bitwise equal, in either dQ order (descending: ``det_descending``), with the
+    consumers or the writer warp (``dq_warp``) ordering the adds; the first also within the 2x
+    rule of the fp32 reference. 16k keys = 128 K/V blocks per head, more CTAs than SMs, so a wait
+    on a CTA that cannot become resident would hang here."""
     import torch
 
     from cute_flash.bwd_sm90 import run_bwd_sm90
@@ -637,7 +651,8 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool) -
         for _ in range(runs):
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
             run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, softmax_scale=d ** -0.5,
-                         causal=True, deterministic=True, overrides=dict(det_descending=descending))
+                         causal=True, deterministic=True,
+                         overrides=dict(det_descending=descending, dq_warp=writer))
             torch.cuda.synchronize()
             if first is None:
                 first = grads
@@ -645,7 +660,26 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool) -
                 assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
         if n <= 1024:
             _check_gradients((1, n, n, h, h // 2, True, (-1, -1), 0.0, d),
-                             overrides=dict(det_descending=descending), deterministic=True)
+                             overrides=dict(det_descending=descending, dq_warp=writer), deterministic=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_deterministic_writer_orders_the_bulk_adds_off_the_consumers(causal: bool) -> None:
+    """Deterministic mode with the writer warp: the consumers issue no dQ reductions and no gpu
+    fences; the writer acquires the flag (spin), fences into the async proxy, bulk-adds both
+    warpgroups' halves, waits for their completion (not just the smem read) and releases."""
+    cfg = BwdSm90Config(target="sm_90a", hdim=128, causal=causal, deterministic=True, dq_warp=True)
+    ptx, _ = jit.compile_artifacts(cfg)
+    assert _count(ptx, "red.relaxed.gpu.global.add.v4.f32") == 0
+    assert _count(ptx, "fence.acq_rel.gpu") == 0
+    assert _count(ptx, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert _count(ptx, "ld.acquire.gpu") > 0 and _count(ptx, "st.release.gpu") == 1
+    assert _count(ptx, "fence.proxy.async.global") == 2
+    # One full-completion wait per query block before the release (plus the exit's).
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)) >= 1
+    consumers, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", hdim=128, causal=causal,
+                                                       deterministic=True))
+    assert _count(consumers, "red.relaxed.gpu.global.add.v4.f32") > 0  # the default: consumers add
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

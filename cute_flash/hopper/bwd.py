@@ -17,7 +17,8 @@ dS^T feed their GEMMs straight from registers):
 dQ of a query block goes into the fp32 accumulator (one chunk per query block of the sm80
 backward's padded scratch, in the dQ MMA's fragment order): the consumers write it to smem and a
 writer warp of the producer warpgroup adds the tile with one bulk reduce-add (``dq_warp``), or the
-consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode, d = 192). The sm80
+consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode unless the writer
+orders the adds there too, d = 192 non-causal). The sm80
 preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
 it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
 of every query head of its group, so dK and dV sum over the group in registers. Causal and
@@ -792,6 +793,17 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             head, m_block = self.work_item(work, it)
             gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
                                            self.hdim)
+            sem = None
+            if cutlass.const_expr(self.deterministic):
+                # Deterministic mode through the writer (flash-attn-4's sm90 scheme): only this
+                # lane waits for the predecessor K/V block's adds, while the consumers compute on
+                # (they stall only if the smem chunk is not back yet).
+                sem = self.dq_semaphore(work.mSemaphore, seqlen, work.batch, head, m_block)
+                if lane == 0:
+                    if work.prev_valid and m_block >= work.prev_min and m_block < work.prev_max:
+                        bwd_math.semaphore_spin(sem, work.order_rank)
+                    # The acquire was a generic-proxy load; the reduce-adds are async-proxy ops.
+                    cute.arch.fence_proxy("async.global")
             # The smem half may be rewritten once the copy engine has read it. ``dq_writer_batch``:
             # every warpgroup's chunk is issued as soon as it is handed over and each released as
             # it is read (oldest first), so the second does not wait for the first one's read
@@ -812,6 +824,13 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(num_wg - 1 - wg, read=True)
                     self.release_dq_chunk(wg, it, total)
+            if cutlass.const_expr(self.deterministic):
+                if lane == 0:
+                    # The successor may add only once these adds are complete in L2, not just read
+                    # from smem (which is all the release of the chunks above waited for).
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.store(sem, work.order_rank + 1, sem="release", scope="gpu")
         if lane == 0:
             # Only the smem reads must be done before the CTA leaves (its smem goes to the next
             # CTA); the adds themselves complete in L2 and are visible to the postprocess at the
@@ -833,12 +852,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         ``bwd_math.frag_chunk_view``): through the writer warp (``dq_warp``), or with vector
         reductions from the consumer threads."""
         sem = None
-        if cutlass.const_expr(self.deterministic):
+        # With the writer warp, deterministic mode's ordering is the writer's (``dq_writer``).
+        consumers_order = self.deterministic and not self.dq_warp
+        if cutlass.const_expr(consumers_order):
             # Bitwise-reproducible dQ: K/V blocks add into a query block in a fixed order; the one
             # of rank r waits until its predecessor (if it saw this query block) has published r.
-            idx = bwd_math.semaphore_index(ctx.seqlen, ctx.batch, m_block, self.tile_m)
-            coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, ctx.batch)
-            sem = ctx.mSemaphore.iterator + cute.crd2idx(coord, ctx.mSemaphore.layout)
+            sem = self.dq_semaphore(ctx.mSemaphore, ctx.seqlen, ctx.batch, head, m_block)
             if ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
                 bwd_math.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         if cutlass.const_expr(self.dq_warp):
@@ -855,8 +874,15 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                            self.hdim)
             bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
-        if cutlass.const_expr(self.deterministic):
+        if cutlass.const_expr(consumers_order):
             bwd_math.semaphore_signal(sem, ctx.order_rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+
+    @cute.jit
+    def dq_semaphore(self, mSemaphore, seqlen: SeqlenInfo, batch: Int32, head: Int32, m_block: Int32):
+        """Deterministic mode: the ordering flag of (query block, head, batch)."""
+        idx = bwd_math.semaphore_index(seqlen, batch, m_block, self.tile_m)
+        coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, batch)
+        return mSemaphore.iterator + cute.crd2idx(coord, mSemaphore.layout)
 
 
 class FlashBwdPostSm90:

@@ -159,15 +159,21 @@ def _sync(barrier_id: int, num_threads: int) -> None:
 
 
 @cute.jit
+def semaphore_spin(ptr: cute.Pointer, expected: Int32):
+    """Spin (this thread only) with gpu-scope acquire loads until ``*ptr == expected``."""
+    val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    while val != expected:
+        val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
 def semaphore_wait(ptr: cute.Pointer, expected: Int32, tidx: Int32, barrier_id: cutlass.Constexpr[int] = 0,
                    num_threads: cutlass.Constexpr[int] = 0):
     """Block the CTA (or the threads of named barrier ``barrier_id``) until ``*ptr == expected``.
     One thread spins with acquire loads (gpu scope); the barrier then extends the acquire to every
     thread, so no thread issues its dQ reductions before the previous K/V block's are visible."""
     if tidx == 0:
-        val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-        while val != expected:
-            val = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        semaphore_spin(ptr, expected)
     _sync(barrier_id, num_threads)
 
 
