@@ -146,6 +146,14 @@ SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
 # walk it left alone (10 + 6), at 546 -> 515, 549 -> 515, 518 -> 505: so the launcher chooses and
 # the kernel compiles one walk.
 SM90_BWD_LPT_BALANCED = True
+# Deterministic mode without masks on the rotated walk (``rotate_m``; ``bwd_math.rotated_add_rank``):
+# key block n starts at query block n, so each query block's adders arrive one step apart instead
+# of key block n waiting for n + 1 on every block (N - 1 steps of lag per head, the main cost of
+# non-causal deterministic mode: 1.65-1.86x). The waits then form a chain through every key block
+# of a head, so all of them must be resident at once: the launcher takes it only where a head's
+# key blocks fit on the SMs (one CTA each). Session 18: compiled and CPU-checked, no GPU that
+# session -- off until its GPU test has passed and it is measured.
+SM90_BWD_DET_ROTATE = False
 SM90_NUM_SMS_DEFAULT = 132
 # Session 15 (``tune_bwd_sm90.py``, TFLOP/s, in order -> rotated query-block walk). First run, N =
 # 8k / 16k, non-causal | causal: d = 256 437 -> 450, 438 -> 450 | 437 -> 443, 446 -> 456; d = 192
@@ -333,8 +341,11 @@ class BwdSm90Config(jit.KernelConfig):
         if self.rotate_m is None:
             rotate = (self.hdim, self.causal or self.local) in SM90_BWD_ROTATE_M and not self.deterministic
             object.__setattr__(self, "rotate_m", rotate)
-        if self.rotate_m and self.deterministic:
-            raise ValueError("sm90 backward: rotate_m reorders dQ adds; deterministic mode fixes them")
+        if self.rotate_m and self.deterministic and (self.causal or self.local):
+            # (Without masks every key block sees every query block, which the rotated add order
+            # -- ``bwd_math.rotated_add_rank`` -- assumes.)
+            raise ValueError("sm90 backward: deterministic mode takes the rotated walk only without "
+                             "causal / window masks")
         if self.lpt and (self.varlen or self.deterministic):
             raise ValueError("sm90 backward: lpt walks fixed-length grids, not deterministic mode")
         if self.dq_before_dk is None:
@@ -491,6 +502,13 @@ class BwdSm90PostConfig(jit.KernelConfig):
         return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
+def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> bool:
+    """``SM90_BWD_DET_ROTATE``'s launch rule: deterministic, no masks, one grid CTA per key block
+    (not persistent), and every key block of a head resident at once (one CTA per SM)."""
+    return (SM90_BWD_DET_ROTATE and cfg.deterministic and not (cfg.causal or cfg.local) and not cfg.persistent
+            and (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n <= num_sms)
+
+
 def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                  softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
@@ -510,6 +528,8 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                         **(overrides or {}))
     if cfg.persistent and "num_ctas" not in (overrides or {}):
         cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
+    if det_rotate_applies(cfg, mk, sm_count(q.device)) and "rotate_m" not in (overrides or {}):
+        cfg = dataclasses.replace(cfg, rotate_m=True)
     if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in (overrides or {})
             and cfg.lpt_last_section_short(mq * (q.shape[-2] // k.shape[-2]), k.shape[-2])):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)

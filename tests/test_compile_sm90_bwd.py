@@ -67,6 +67,13 @@ VARIANTS = [
                                  (192, 128, False, False, False, False),
                                  (256, 256, False, True, False, False))
 ] + [
+    # Deterministic mode on the rotated walk (no masks): the rotated add order, with the writer or
+    # the consumers ordering the adds.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, varlen=vl, deterministic=True,
+                  rotate_m=True, dq_warp=w)
+    for d, dv, vl, w in ((64, 64, False, True), (128, 128, True, True), (128, 128, False, False),
+                         (192, 192, False, True), (192, 128, False, False), (256, 256, True, True))
+] + [
     # LSE2 / D read into registers under the S^T / dP^T wgmmas (narrow kernel: default at d = 128),
     # or under S / dP (wide kernel: 2 + 2 per thread, softcap included).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, softcap=sc, prefetch_stats=True)
@@ -315,17 +322,39 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
     assert cfg.lpt and cfg.lpt_last_section_short(n, kv_heads) == short
 
 
-def test_sm90_bwd_rotates_the_query_walk_only_at_d256_and_never_in_deterministic_mode() -> None:
-    """The rotated walk measured faster at d = 256 without masks only; deterministic mode's dQ
-    order must not move."""
+def test_sm90_bwd_rotates_the_query_walk_by_default_only_at_d256_and_not_in_deterministic_mode() -> None:
+    """The rotated walk measured faster at d = 256 without masks only; deterministic mode takes
+    it only when asked (its rotated add order), and never with masks (the order assumes every key
+    block sees every query block)."""
     assert BwdSm90Config(target="sm_90a", hdim=256).rotate_m
     assert BwdSm90Config(target="sm_90a", hdim=256, varlen=True).rotate_m
     assert not BwdSm90Config(target="sm_90a", hdim=256, causal=True).rotate_m
     assert not BwdSm90Config(target="sm_90a", hdim=256, deterministic=True).rotate_m
     for d in (64, 96, 128, 192):
         assert not BwdSm90Config(target="sm_90a", hdim=d).rotate_m
-    with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, rotate_m=True)
+    assert BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, rotate_m=True).rotate_m
+    for mask in (dict(causal=True), dict(local=True)):
+        with pytest.raises(ValueError, match="rotated walk only without"):
+            BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, rotate_m=True, **mask)
+
+
+def test_rotated_add_rank_orders_every_query_blocks_adders_by_step_then_key_block() -> None:
+    """``rotated_add_rank`` (branch-free, once per block in the kernel) against sorting: for every
+    query block, its N adders ranked 0 .. N - 1 by (step = (m - n) mod M, n) -- also with more key
+    than query blocks (several key blocks at the same step) and with fewer."""
+    from cute_flash.kernels.bwd_math import rotated_add_rank
+
+    for num_n in range(1, 34):
+        for num_m in range(1, 34):
+            for m in range(num_m):
+                adders = sorted(range(num_n), key=lambda n, m=m: ((m - n) % num_m, n))
+                got = [rotated_add_rank((m - n) % num_m, m, num_m, num_n // num_m, num_n % num_m, n // num_m)
+                       for n in adders]
+                assert got == list(range(num_n)), (num_n, num_m, m)
+                # The first adder never waits; every other one's predecessor is one step (or, at a
+                # tie, one key block) earlier.
+                steps = [(m - n) % num_m for n in adders]
+                assert steps == sorted(steps)
 
 
 def test_sm90_bwd_do_stages_only_below_q_stages_in_the_wide_kernel_with_split_loads() -> None:
@@ -661,6 +690,58 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool, w
         if n <= 1024:
             _check_gradients((1, n, n, h, h // 2, True, (-1, -1), 0.0, d),
                              overrides=dict(det_descending=descending, dq_warp=writer), deterministic=True)
+
+
+def test_rotated_deterministic_order_only_where_every_key_block_of_a_head_is_resident(monkeypatch) -> None:
+    """The launcher's rule for the rotated deterministic order: no masks, and ceil(Nk / tile_n)
+    key blocks at most one per SM (the waits chain through all of them)."""
+    from cute_flash import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", True)
+    det = BwdSm90Config(target="sm_90a", hdim=128, deterministic=True)
+    assert bwd_sm90.det_rotate_applies(det, 132 * 128, 132)
+    assert not bwd_sm90.det_rotate_applies(det, 132 * 128 + 1, 132)
+    for other in (BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, causal=True),
+                  BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, local=True),
+                  BwdSm90Config(target="sm_90a", hdim=128)):
+        assert not bwd_sm90.det_rotate_applies(other, 1024, 132)
+    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", False)
+    assert not bwd_sm90.det_rotate_applies(det, 1024, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("writer", [False, True], ids=["consumers", "writer"])
+def test_sm90_bwd_rotated_deterministic_order_is_bitwise_reproducible(writer: bool) -> None:
+    """Non-causal deterministic mode on the rotated walk (``rotate_m``): repeated runs bitwise
+    equal, with more query than key blocks, more key than query blocks (several key blocks at one
+    step: ties), GQA, and 128 key blocks per head (all resident on the H200's 132 SMs; a wrong
+    rank or a wait on a CTA that is not resident would hang here); gradients within the 2x rule."""
+    import torch
+
+    from cute_flash.bwd_sm90 import run_bwd_sm90
+    from cute_flash.reference import attention_ref
+
+    torch.manual_seed(3)
+    dev, dt, d = "cuda", torch.bfloat16, 128
+    overrides = dict(rotate_m=True, dq_warp=writer)
+    for nq, nk, h, hkv, runs in ((1000, 700, 4, 2, 30), (200, 2100, 4, 4, 30), (16384, 16384, 2, 1, 3)):
+        q, do = (torch.randn(1, nq, h, d, device=dev, dtype=dt) for _ in range(2))
+        k, v = (torch.randn(1, nk, hkv, d, device=dev, dtype=dt) for _ in range(2))
+        out, lse = attention_ref(q, k, v)
+        first = None
+        for _ in range(runs):
+            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            run_bwd_sm90(do, q, k, v, out.to(dt), lse.float().contiguous(), *grads, softmax_scale=d ** -0.5,
+                         causal=False, deterministic=True, overrides=overrides)
+            torch.cuda.synchronize()
+            if first is None:
+                first = grads
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(first, grads, strict=True)), (nq, nk)
+        if nq <= 2100:
+            _check_gradients((1, nq, nk, h, hkv, False, (-1, -1), 0.0, d), overrides=overrides,
+                             deterministic=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

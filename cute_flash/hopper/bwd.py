@@ -345,7 +345,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         and deterministic mode's ordering."""
         mQ, mK = args.mQ, args.mK
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], args.mCuSeqlensQ, args.mCuSeqlensK)
-        if cutlass.const_expr(self.deterministic and self.det_descending):
+        if cutlass.const_expr(self.deterministic and self.det_descending and not self.cfg.rotate_m):
             # Descending dQ order: CTA n waits for CTA n + 1, so the last key block must launch
             # first (CTAs start in blockIdx order; a waiter whose predecessor is not resident
             # yet could otherwise fill every SM and never let it in).
@@ -362,7 +362,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         order_rank = n_block
         prev_valid = n_block > 0
         prev_min, prev_max = Int32(0), Int32(0)
-        if cutlass.const_expr(self.deterministic):
+        if cutlass.const_expr(self.deterministic and not self.cfg.rotate_m):
             if cutlass.const_expr(self.det_descending):
                 num_n = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
                 order_rank = num_n - 1 - n_block
@@ -378,15 +378,22 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # CTAs of one head are at different query blocks at any moment (measured faster at d = 256
         # without masks, slower in the narrow kernel: ``SM90_BWD_ROTATE_M``).
         rot = None
+        rank_plan = None
         if cutlass.const_expr(self.cfg.rotate_m):
             num_m = m_block_max - m_block_min
             rot = n_block
             if rot >= num_m:
                 rot = rot % cutlass.max(num_m, 1)
+            if cutlass.const_expr(self.deterministic):
+                # The rotated add order (``bwd_math.rotated_add_rank``): its per-CTA divisions.
+                num_n = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
+                m_count = cutlass.max(num_m, 1)
+                q_per = num_n // m_count
+                rank_plan = (m_count, q_per, num_n - q_per * m_count, n_block // m_count)
         work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                           prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
-                          mSemaphore=args.mSemaphore, rot=rot)
+                          mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)
         return seqlen, work
 
     # ------------------------------------------------------------------------------------------
@@ -419,6 +426,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         ctx.mSemaphore = work.mSemaphore
         ctx.prev_min, ctx.prev_max = work.prev_min, work.prev_max
         ctx.prev_valid, ctx.order_rank = work.prev_valid, work.order_rank
+        ctx.rank_plan, ctx.rot, ctx.m_block_min = work.rank_plan, work.rot, work.m_block_min
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
         waits.wait_full(pipes.kv, kv_state, self.spin_waits)
@@ -799,11 +807,18 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 # lane waits for the predecessor K/V block's adds, while the consumers compute on
                 # (they stall only if the smem chunk is not back yet).
                 sem = self.dq_semaphore(work.mSemaphore, seqlen, work.batch, head, m_block)
+                rank = work.order_rank
+                if cutlass.const_expr(self.cfg.rotate_m):
+                    rank = self.rotated_rank(work, m_block)
                 if lane == 0:
-                    if work.prev_valid and m_block >= work.prev_min and m_block < work.prev_max:
-                        bwd_math.semaphore_spin(sem, work.order_rank)
+                    if cutlass.const_expr(self.cfg.rotate_m):
+                        if rank > 0:
+                            bwd_math.semaphore_spin(sem, rank)
+                    elif work.prev_valid and m_block >= work.prev_min and m_block < work.prev_max:
+                        bwd_math.semaphore_spin(sem, rank)
                     # The acquire was a generic-proxy load; the reduce-adds are async-proxy ops.
                     cute.arch.fence_proxy("async.global")
+                cute.arch.sync_warp()  # the warp reconverged before the (aligned) FULL barrier
             # The smem half may be rewritten once the copy engine has read it. ``dq_writer_batch``:
             # every warpgroup's chunk is issued as soon as it is handed over and each released as
             # it is read (oldest first), so the second does not wait for the first one's read
@@ -830,7 +845,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                     # from smem (which is all the release of the chunks above waited for).
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
-                    cute.arch.store(sem, work.order_rank + 1, sem="release", scope="gpu")
+                    cute.arch.store(sem, rank + 1, sem="release", scope="gpu")
         if lane == 0:
             # Only the smem reads must be done before the CTA leaves (its smem goes to the next
             # CTA); the adds themselves complete in L2 and are visible to the postprocess at the
@@ -858,7 +873,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             # Bitwise-reproducible dQ: K/V blocks add into a query block in a fixed order; the one
             # of rank r waits until its predecessor (if it saw this query block) has published r.
             sem = self.dq_semaphore(ctx.mSemaphore, ctx.seqlen, ctx.batch, head, m_block)
-            if ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
+            rank = ctx.order_rank
+            if cutlass.const_expr(self.cfg.rotate_m):
+                rank = self.rotated_rank(ctx, m_block)
+                if rank > 0:
+                    bwd_math.semaphore_wait(sem, rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+            elif ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
                 bwd_math.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         if cutlass.const_expr(self.dq_warp):
             # Hand this warpgroup's half to the writer warp: wait until it has read the previous one.
@@ -875,7 +895,17 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                                            self.hdim)
             bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(consumers_order):
-            bwd_math.semaphore_signal(sem, ctx.order_rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+            bwd_math.semaphore_signal(sem, rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+
+    @cute.jit
+    def rotated_rank(self, w, m_block: Int32) -> Int32:
+        """Deterministic mode on the rotated walk: this K/V block's place among the adds into
+        ``m_block`` (``w``: the work or the consumer context, with ``rank_plan`` and ``rot``)."""
+        m_count, q_per, rem, n_div = w.rank_plan
+        local = m_block - w.m_block_min
+        step = local - w.rot
+        step = cutlass.select_(step < 0, step + m_count, step)
+        return bwd_math.rotated_add_rank(step, local, m_count, q_per, rem, n_div)
 
     @cute.jit
     def dq_semaphore(self, mSemaphore, seqlen: SeqlenInfo, batch: Int32, head: Int32, m_block: Int32):

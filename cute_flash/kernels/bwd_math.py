@@ -56,6 +56,27 @@ def semaphore_index(seqlen: SeqlenInfo, batch: Int32, m_block: Int32, tile_m: in
     return padded_offset_q(seqlen, batch, tile_m) // tile_m + m_block
 
 
+def rotated_add_rank(step, m, num_m, q_per, rem, n_div):
+    """Deterministic mode with the rotated walk (``rotate_m``, attention without masks): key block
+    n of ``num_n`` visits query block ``m`` (of ``num_m``) at ``step = (m - n) mod num_m``, and
+    every query block takes its adds in (step, n) order -- each adder's predecessor got there a
+    step earlier, so in steady state nobody waits (in the descending order block n waits for
+    n + 1 on every query block: N - 1 steps of lag per head). Returns the add's rank in that
+    order: the key blocks with a smaller step, plus those at the same step (n' = n mod num_m)
+    with a smaller n'.
+
+    ``q_per, rem = divmod(num_n, num_m)`` and ``n_div = n // num_m`` (once per CTA). The key
+    blocks at step t of query block m are n' = m - t (mod num_m): q_per of them, one more for a
+    residue below ``rem``. The residues of steps 0 .. step - 1 run m, m - 1, .., ``lo``, wrapping
+    past 0 to num_m + lo .. num_m - 1 when lo < 0. Branch-free (min / max) for the kernel's Int32
+    and the CPU tests' int.
+    """
+    lo = m - step + 1
+    plain = cutlass.max(cutlass.min(m + 1, rem) - cutlass.max(lo, 0), 0)
+    wrapped = cutlass.max(rem - num_m - cutlass.min(lo, 0), 0)
+    return step * q_per + plain + wrapped + n_div
+
+
 # ---------------------------------------------------------------------------------------------
 # Query-block ranges of one K/V block that need the element-wise mask
 # ---------------------------------------------------------------------------------------------
