@@ -26,7 +26,7 @@ for p in "${parts[@]}"; do
       cat /tmp/fp8shards/shard_*.log >> "$OUT/fp8_tests.log" 2>/dev/null
       grep -E "passed|failed|^(FAILED|ERROR)" "$OUT/fp8_tests.log" | cut -c1-300 | head -30 ;;
     tests)
-      timeout "${TESTS_TIMEOUT:-240}" scripts/gpu_tests_sharded.sh 8 /tmp/shards tests --ignore=tests/test_quant.py \
+      timeout "${TESTS_TIMEOUT:-300}" scripts/gpu_tests_sharded.sh 8 /tmp/shards tests --ignore=tests/test_quant.py \
         --ignore=tests/test_fp8_fwd.py --ignore=tests/test_fp8_api.py > "$OUT/tests_summary.txt" 2>&1
       echo "== tests rc=$?"
       cat /tmp/shards/shard_*.log > "$OUT/tests_all.log" 2>/dev/null
@@ -42,11 +42,13 @@ for p in "${parts[@]}"; do
       # is at 0.98x flash-attn-4; the SASS loop is 411 / 461 instructions with it, 480 / 577
       # without, flash-attn-4's causal 440), then d = 96 / 256 and d = 64 with softcap. Deterministic
       # mode through the dQ writer warp (`deterministic=1,dq_warp=1`, flash-attn-4's sm90 scheme)
-      # beside the default deterministic mode (the consumers' own ordered reductions).
+      # beside the default deterministic mode (the consumers' own ordered reductions), and on the
+      # rotated walk (non-causal only: the causal cells report its ValueError and go on).
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
         --seqlen ${BWD_TUNE_SEQLENS:-2048 8192} --causal ${BWD_TUNE_CAUSAL:-0 1} \
-        --variant ${BWD_TUNE_VARIANTS:-mask_always=1 deterministic=1 deterministic=1,dq_warp=1} \
+        --variant ${BWD_TUNE_VARIANTS:-mask_always=1 deterministic=1 deterministic=1,dq_warp=1 deterministic=1,dq_warp=1,rotate_m=1} \
+        --peers ${BWD_TUNE_PEERS:-fa4 cudnn fa4-det} \
         > "$OUT/tune_bwd.log" 2>&1
       echo "== bwdtune rc=$?"
       grep -E "^d[0-9]|WRONG|Error" "$OUT/tune_bwd.log" | cut -c1-300 ;;

@@ -28,10 +28,11 @@ def bench(fn) -> float:
 def peer_bwd(name, q, k, v, do, causal, softcap: float = 0.0):
     """A closure running one peer's backward alone (autograd.grad on a retained graph)."""
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    if name == "fa4":
+    if name in ("fa4", "fa4-det"):
         from flash_attn.cute import flash_attn_func
 
-        o = flash_attn_func(qq, kk, vv, causal=causal, softcap=softcap)
+        det = dict(deterministic=True) if name == "fa4-det" else {}
+        o = flash_attn_func(qq, kk, vv, causal=causal, softcap=softcap, **det)
         o = o[0] if isinstance(o, tuple) else o
     else:
         assert not softcap, "SDPA has no softcap"
