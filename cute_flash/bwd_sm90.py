@@ -310,9 +310,10 @@ class BwdSm90Config(jit.KernelConfig):
             tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
-        if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim and not self.deterministic
-                and self.split_loads is not False and not self.stages and not self.do_stages
-                and self.dq_warp is not False):
+        # (Deterministic mode only with the writer warp asked for: then the same stages as without.)
+        if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim
+                and (not self.deterministic or self.dq_warp) and self.split_loads is not False
+                and not self.stages and not self.do_stages and self.dq_warp is not False):
             object.__setattr__(self, "dq_warp", True)
             object.__setattr__(self, "stages", 2)
             object.__setattr__(self, "do_stages", SM90_BWD_DO_STAGES[self.hdim])
