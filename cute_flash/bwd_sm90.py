@@ -4,7 +4,7 @@ in ``cute_flash.hopper.bwd`` (autograd's backward on Hopper where it covers the 
 
 The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch
 rows); the main kernel adds dQ into the accumulator in its MMA fragment order and
-``FlashBwdPostSm90`` converts it.
+``FlashBwdPostSm90`` (``hopper/bwd_postprocess.py``) converts it.
 """
 
 from __future__ import annotations
@@ -495,7 +495,7 @@ class BwdSm90PostConfig(jit.KernelConfig):
     kernel_name = "bwd_post_sm90"
 
     def build(self):
-        from cute_flash.hopper.bwd import FlashBwdPostSm90
+        from cute_flash.hopper.bwd_postprocess import FlashBwdPostSm90
 
         return FlashBwdPostSm90(self)
 

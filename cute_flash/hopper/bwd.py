@@ -18,9 +18,9 @@ dQ of a query block goes into the fp32 accumulator (one chunk per query block of
 backward's padded scratch, in the dQ MMA's fragment order): the consumers write it to smem and a
 writer warp of the producer warpgroup adds the tile with one bulk reduce-add (``dq_warp``), or the
 consumers issue 16-byte ``red.global.add.v4.f32`` themselves (deterministic mode unless the writer
-orders the adds there too, d = 192 non-causal). The sm80
-preprocess fills LSE2 / D / zeroes the accumulator, and ``FlashBwdPostSm90`` scales and converts
-it. dK (scaled) and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
+orders the adds there too, d = 192 non-causal). The sm80 preprocess fills LSE2 / D / zeroes the
+accumulator, and ``FlashBwdPostSm90`` (``bwd_postprocess.py``) scales and converts it. dK (scaled)
+and dV are stored at the end. GQA/MQA: the CTA of a KV head walks the query blocks
 of every query head of its group, so dK and dV sum over the group in registers. Causal and
 sliding-window masks (bottom-right aligned), varlen, deterministic mode (ordered dQ adds) and
 softcap (d = 128) as in the sm80 backward. Head dims 64 (128 query rows per block, dQ split by
@@ -913,87 +913,3 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         idx = bwd_math.semaphore_index(seqlen, batch, m_block, self.tile_m)
         coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, batch)
         return mSemaphore.iterator + cute.crd2idx(coord, mSemaphore.layout)
-
-
-class FlashBwdPostSm90:
-    """dQ = softmax_scale * dQaccum in the input dtype, from the accumulator chunks the sm90 main
-    kernel writes in its dQ MMA's fragment order (one CTA per query block, 256 threads: thread t
-    reads the elements the main kernel's consumer thread t added, 16 bytes at a time)."""
-
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
-        self.hdim, self.tile_m = cfg.hdim, cfg.tile_m
-        # ``stage_smem``: dQ through a swizzled smem tile (stmatrix in, 16-byte row stores out)
-        # instead of 2- / 4-byte stores straight from the fragment order (dQ^T tiles keep those).
-        self.stage = cfg.stage_smem
-        assert not (self.stage and dq_swapab(cfg.tile_m)), "dQ^T tiles keep the direct stores"
-
-    def smem_layout(self):
-        # The dQ MMA splits the head dim over the warpgroups: at d = 96 / 192 a 128-byte swizzle
-        # atom (64 columns) would straddle the halves the stmatrix copy partitions.
-        cols = self.hdim if self.hdim % 128 == 0 else self.hdim // 2
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.hdim), (0, 1))
-
-    def smem_bytes(self) -> int:
-        return self.tile_m * self.hdim * self.dtype.width // 8 + 1024 if self.stage else 0
-
-    @cute.jit
-    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
-                 softmax_scale: Float32, max_seqlen_q: Int32, stream):
-        """The sm80 postprocess's signature."""
-        mdQaccum = common.lse_to_seq_head(mdQaccum)
-        mdQ = common.to_seq_dim_head(mdQ)
-        num_batch, seqlen_q = common.grid_rows(mdQ, mCuSeqlensQ, max_seqlen_q)
-        grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
-        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale).launch(
-            grid=grid, block=[NUM_MMA_THREADS, 1, 1], smem=self.smem_bytes(), stream=stream)
-
-    @cute.kernel
-    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
-               softmax_scale: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
-        seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, None)
-        gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
-        gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
-        rows_left = seqlen.seqlen_q - m_block * self.tile_m
-        view = bwd_math.frag_chunk_view(gacc, tidx, NUM_MMA_THREADS)
-        acc = cute.make_rmem_tensor(cute.size(view), Float32)
-        for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
-            cute.autovec_copy(view[None, j], cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)))
-        if cutlass.const_expr(self.stage):
-            self.store_staged(acc, gdQ, rows_left, softmax_scale, tidx)
-        else:
-            self.store_direct(acc, gdQ, rows_left, softmax_scale, tidx)
-
-    @cute.jit
-    def store_staged(self, acc, gdQ, rows_left: Int32, softmax_scale: Float32, tidx: Int32):
-        layout = self.smem_layout()
-        sdQ = SmemAllocator().allocate_tensor(self.dtype, layout.outer, 1024, swizzle=layout.inner)
-        mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim)
-        # ``acc`` is this thread's dQ fragment in the MMA's register order (flat index i = the
-        # main kernel's acc_dQ[i]): refill it as a C fragment of that MMA, in 16 bits.
-        frag = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C((self.tile_m, self.hdim)),
-                                     self.dtype)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            frag[i] = (acc[i] * softmax_scale).to(self.dtype)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        r2s = cute.make_tiled_copy_C(store_op, mma).get_slice(tidx)
-        cute.copy(r2s, r2s.retile(frag), r2s.partition_D(sdQ))
-        cute.arch.barrier()
-        copy = common.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS)
-        common.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
-
-    @cute.jit
-    def store_direct(self, acc, gdQ, rows_left: Int32, softmax_scale: Float32, tidx: Int32):
-        coords = dq_tiled_mma(self.dtype, self.tile_m, self.hdim).get_slice(tidx).partition_C(
-            cute.make_identity_tensor(dq_acc_shape(self.tile_m, self.hdim)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            row, col = coords[i]
-            if cutlass.const_expr(dq_swapab(self.tile_m)):
-                col, row = row, col  # dQ^T: (head dim, query)
-            if row < rows_left:
-                gdQ[row, col] = (acc[i] * softmax_scale).to(self.dtype)
