@@ -146,14 +146,22 @@ SM90_BWD_LPT_L2_BYTES = 40 * 1024 * 1024
 # walk it left alone (10 + 6), at 546 -> 515, 549 -> 515, 518 -> 505: so the launcher chooses and
 # the kernel compiles one walk.
 SM90_BWD_LPT_BALANCED = True
-# Deterministic mode without masks on the rotated walk (``rotate_m``; ``bwd_math.rotated_add_rank``):
-# key block n starts at query block n, so each query block's adders arrive one step apart instead
-# of key block n waiting for n + 1 on every block (N - 1 steps of lag per head, the main cost of
-# non-causal deterministic mode: 1.65-1.86x). The waits then form a chain through every key block
-# of a head, so all of them must be resident at once: the launcher takes it only where a head's
-# key blocks fit on the SMs (one CTA each). Session 18: compiled and CPU-checked, no GPU that
-# session -- off until its GPU test has passed and it is measured.
-SM90_BWD_DET_ROTATE = False
+# Deterministic mode (session 18, ``tune_bwd_sm90.py``, TFLOP/s, N = 2k / 8k, non-causal | causal;
+# default deterministic -> with the writer -> writer + rotated walk; flash-attn-4's deterministic):
+#   d = 64   277 / 346 | 273 / 330 -> 380 / 459 | 385 / 503 -> 465 / 510 | -   (fa4-det 464 / 517 | 399 / 509)
+#   d = 96   284 / 327 | 263 / 314 -> 388 / 466 | 371 / 464 -> 430 / 465 | -   (420 / 480 | 344 / 435)
+#   d = 128  331 / 386 | 285 / 349 -> 454 / 532 | 415 / 516 -> 484 / 531 | -   (497 / 570 | 416 / 525)
+#   d = 192  290 / 338 | 252 / 318 -> 361 / 447 | 349 / 431 -> 406 / 339 | -   (403 / 472 | 312 / 410)
+#   d = 256  232 / 280 | 219 / 261 -> 292 / 366 | 297 / 355 -> 340 / 375 | -   (264 / 285 | 234 / 269)
+# The writer warp orders the adds (``dq_warp`` in deterministic mode too): +24-52% everywhere.
+SM90_BWD_DET_WRITER = True
+# Without masks, the rotated walk (``rotate_m``; ``bwd_math.rotated_add_rank``): key block n starts
+# at query block n, so each query block's adders arrive one step apart instead of key block n
+# waiting for n + 1 on every block (N - 1 steps of lag per head). The waits then chain through
+# every key block of a head, so all must be resident at once: the launcher takes it only where a
+# head's key blocks fit on the SMs (one CTA each), at the head dims where it measured faster
+# (+2-22%; d = 192 8k lost 24%: its rotated walk also lost without determinism).
+SM90_BWD_DET_ROTATE = (64, 96, 128, 256)
 SM90_NUM_SMS_DEFAULT = 132
 # Session 15 (``tune_bwd_sm90.py``, TFLOP/s, in order -> rotated query-block walk). First run, N =
 # 8k / 16k, non-causal | causal: d = 256 437 -> 450, 438 -> 450 | 437 -> 443, 446 -> 456; d = 192
@@ -312,7 +320,8 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "tile_n", tile_n)
         # (Deterministic mode only with the writer warp asked for: then the same stages as without.)
         if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim
-                and (not self.deterministic or self.dq_warp) and self.split_loads is not False
+                and (not self.deterministic or SM90_BWD_DET_WRITER or self.dq_warp)
+                and self.split_loads is not False
                 and not self.stages and not self.do_stages and self.dq_warp is not False):
             object.__setattr__(self, "dq_warp", True)
             object.__setattr__(self, "stages", 2)
@@ -321,10 +330,9 @@ class BwdSm90Config(jit.KernelConfig):
             dq_warp = SM90_BWD_DQ_WARP_NARROW_V.get((self.hdim, self.hdim_v), SM90_BWD_DQ_WARP[self.hdim])
             if self.causal:
                 dq_warp = SM90_BWD_DQ_WARP_CAUSAL.get(self.hdim, dq_warp)
-            # Deterministic mode takes the writer only when asked (``dq_warp=True``: the writer
-            # orders the adds, flash-attn-4's scheme; compiled and CPU-checked in session 18, not
-            # yet measured), else the consumers order their own reductions.
-            object.__setattr__(self, "dq_warp", dq_warp and not self.deterministic)
+            # Deterministic mode: the writer orders the adds (``SM90_BWD_DET_WRITER``), else the
+            # consumers order their own reductions.
+            object.__setattr__(self, "dq_warp", dq_warp and (SM90_BWD_DET_WRITER or not self.deterministic))
         if not self.stages:
             object.__setattr__(self, "stages", 2)
             if self.smem_bytes() > SM90_SMEM_BYTES:
@@ -506,7 +514,8 @@ class BwdSm90PostConfig(jit.KernelConfig):
 def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> bool:
     """``SM90_BWD_DET_ROTATE``'s launch rule: deterministic, no masks, one grid CTA per key block
     (not persistent), and every key block of a head resident at once (one CTA per SM)."""
-    return (SM90_BWD_DET_ROTATE and cfg.deterministic and not (cfg.causal or cfg.local) and not cfg.persistent
+    return (cfg.hdim in SM90_BWD_DET_ROTATE and cfg.deterministic and not (cfg.causal or cfg.local)
+            and not cfg.persistent
             and (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n <= num_sms)
 
 

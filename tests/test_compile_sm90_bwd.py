@@ -67,6 +67,11 @@ VARIANTS = [
                                  (192, 128, False, False, False, False),
                                  (256, 256, False, True, False, False))
 ] + [
+    # Deterministic mode with the consumers ordering their own reductions (the writer is the
+    # default since session 18).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, deterministic=True, dq_warp=False)
+    for d, c in ((64, True), (128, False), (256, True))
+] + [
     # Deterministic mode on the rotated walk (no masks): the rotated add order, with the writer or
     # the consumers ordering the adds.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, varlen=vl, deterministic=True,
@@ -180,7 +185,7 @@ def _id(cfg: BwdSm90Config) -> str:
              "rotate_m", "mask_always")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
-    flags += ["writer"] if cfg.deterministic and cfg.dq_warp else []
+    flags += ["consumers"] if cfg.deterministic and not cfg.dq_warp else []
     flags += ["old-schedule"] if cfg.hdim <= 128 and not cfg.ds_stmatrix else []
     flags += ["pds-stmatrix"] if cfg.hdim > 128 and cfg.ds_stmatrix else []
     flags += ["fa4-order"] if cfg.hdim > 128 and cfg.dq_before_dk else []
@@ -693,11 +698,12 @@ def test_sm90_bwd_deterministic_mode_is_bitwise_reproducible(descending: bool, w
 
 
 def test_rotated_deterministic_order_only_where_every_key_block_of_a_head_is_resident(monkeypatch) -> None:
-    """The launcher's rule for the rotated deterministic order: no masks, and ceil(Nk / tile_n)
-    key blocks at most one per SM (the waits chain through all of them)."""
+    """The launcher's rule for the rotated deterministic order: a head dim where it measured
+    faster, no masks, and ceil(Nk / tile_n) key blocks at most one per SM (the waits chain through
+    all of them)."""
     from cute_flash import bwd_sm90
 
-    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", True)
+    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", (128,))
     det = BwdSm90Config(target="sm_90a", hdim=128, deterministic=True)
     assert bwd_sm90.det_rotate_applies(det, 132 * 128, 132)
     assert not bwd_sm90.det_rotate_applies(det, 132 * 128 + 1, 132)
@@ -705,7 +711,9 @@ def test_rotated_deterministic_order_only_where_every_key_block_of_a_head_is_res
                   BwdSm90Config(target="sm_90a", hdim=128, deterministic=True, local=True),
                   BwdSm90Config(target="sm_90a", hdim=128)):
         assert not bwd_sm90.det_rotate_applies(other, 1024, 132)
-    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", False)
+    d64 = BwdSm90Config(target="sm_90a", hdim=64, deterministic=True)
+    assert not bwd_sm90.det_rotate_applies(d64, 1024, 132)  # not in the patched head dims
+    monkeypatch.setattr(bwd_sm90, "SM90_BWD_DET_ROTATE", ())
     assert not bwd_sm90.det_rotate_applies(det, 1024, 132)
 
 
@@ -759,8 +767,9 @@ def test_sm90_deterministic_writer_orders_the_bulk_adds_off_the_consumers(causal
     # One full-completion wait per query block before the release (plus the exit's).
     assert len(re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)) >= 1
     consumers, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", hdim=128, causal=causal,
-                                                       deterministic=True))
-    assert _count(consumers, "red.relaxed.gpu.global.add.v4.f32") > 0  # the default: consumers add
+                                                       deterministic=True, dq_warp=False))
+    assert _count(consumers, "red.relaxed.gpu.global.add.v4.f32") > 0  # without the writer: consumers add
+    assert BwdSm90Config(target="sm_90a", hdim=128, causal=causal, deterministic=True).dq_warp  # the default
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
