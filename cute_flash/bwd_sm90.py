@@ -79,8 +79,10 @@ SM90_BWD_PDL = True
 # ``mask_always`` by (head dim, softcap), session 17 (one run, 3 rounds, TFLOP/s, N = 2k / 8k,
 # non-causal | causal): d = 64 452 / 507 | 388 / 484 -> 475 / 527 | 409 / 504 (flash-attn-4 475 /
 # 527 | 404 / 499); d = 192 439 / 472 | 398 / 475 -> 447 / 485 | 400 / 478. GPU-tested as a switch
-# on d = 64 / 128 / 192 / 256 cases (causal, windows, GQA, softcap in the wide kernel); d = 64 with
-# softcap (64-query blocks) and d = 96 / 128 / 256 not measured: off there.
+# on d = 64 / 128 / 192 / 256 cases (causal, windows, GQA, softcap in the wide kernel). d = 128,
+# session 18 (N = 2k / 8k / 16k): 516 / 585 / 598 | 455 / 561 / 582 -> 526 / 579 / 591 | 445 / 561 /
+# 590, noise (the d = 64 default against itself moved up to 3% in the same run): off. d = 64 with
+# softcap (64-query blocks) and d = 96 / 256 not measured: off there.
 SM90_BWD_MASK_ALWAYS = {(64, False), (192, False), (192, True)}
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
