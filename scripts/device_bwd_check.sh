@@ -3,11 +3,9 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bwdnew] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# Queued (session 18, which had no device): part tests runs the new LSE-gradient GPU test
-# (dlse folded into the preprocess, `-k lse`) and the writer-warp deterministic mode's
-# reproducibility test, part bench the grid with `mask_always` at d = 64 (and flash-attn-4's
-# deterministic mode beside ours), part bwdtune `mask_always` at d = 128 and the writer-warp
-# deterministic mode.
+# Session 18 ran tests / bench / bwdtune with the LSE-gradient fold and the writer / rotated
+# deterministic modes (all now defaults). Still open: d = 128 at 16k (0.97-1.00x flash-attn-4),
+# d = 192, softcap timing at d = 96 / 192 / 256.
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail
@@ -37,13 +35,8 @@ for p in "${parts[@]}"; do
       echo "== bench rc=$?"
       awk '/^TFLOP\/s, /{p=1} p' "$OUT/bench.log" ;;
     bwdtune)
-      # Issue 4, queued since session 18: `mask_always` (one basic block per loop body, on at
-      # d = 64 / 192 since session 17) where it is not measured -- d = 128 (its non-causal 16k cell
-      # is at 0.98x flash-attn-4; the SASS loop is 411 / 461 instructions with it, 480 / 577
-      # without, flash-attn-4's causal 440), then d = 96 / 256 and d = 64 with softcap. Deterministic
-      # mode through the dQ writer warp (`deterministic=1,dq_warp=1`, flash-attn-4's sm90 scheme)
-      # beside the default deterministic mode (the consumers' own ordered reductions), and on the
-      # rotated walk (non-causal only: the causal cells report its ValueError and go on).
+      # Issue 4 (session 18): `mask_always` and the deterministic modes by head dim (measured at
+      # every head dim that session; the causal cells report the rotated walk's ValueError and go on).
       # BWD_TUNE_HDIMS picks the head dims (one or two per call fit the 10 minutes).
       timeout "${BWD_TUNE_TIMEOUT:-400}" python scripts/tune_bwd_sm90.py --hdim ${BWD_TUNE_HDIMS:-128} \
         --seqlen ${BWD_TUNE_SEQLENS:-2048 8192} --causal ${BWD_TUNE_CAUSAL:-0 1} \
