@@ -320,7 +320,7 @@ class BwdSm90Config(jit.KernelConfig):
             tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
-        # (Deterministic mode only with the writer warp asked for: then the same stages as without.)
+        # (Deterministic mode too, where the writer orders its adds: the same stages as without.)
         if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim
                 and (not self.deterministic or SM90_BWD_DET_WRITER or self.dq_warp)
                 and self.split_loads is not False
