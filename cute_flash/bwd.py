@@ -290,10 +290,13 @@ def bwd_configs(target: str | None, dtype: str, hdim: int, hdim_v: int, causal: 
 
 @functools.cache
 def _compiled(target: str, dtype: str, hdim: int, hdim_v: int, causal: bool, local: bool, softcap: bool,
-              varlen: bool, deterministic: bool):
-    """Main config and the compiled (pre, main, post) executors of one variant: after the first
-    call a launch costs one dict lookup here instead of three config hashes."""
+              varlen: bool, deterministic: bool, dlse: bool = False):
+    """Main config and the compiled (pre, main, post) executors of one variant (``dlse``: the
+    preprocess that folds the LSE's gradient into D): after the first call a launch costs one dict
+    lookup here instead of three config hashes."""
     configs = bwd_configs(target, dtype, hdim, hdim_v, causal, local, softcap, varlen, deterministic)
+    if dlse:
+        configs[0] = configs[1].pre(dlse=True)
     return configs[1], tuple(jit.compile_kernel(c) for c in configs)
 
 
@@ -399,7 +402,7 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     cfg, (pre, main, post) = _compiled(jit.resolve_arch(q.device), dtype, q.shape[-1], v.shape[-1], causal,
-                                       local, softcap > 0.0, varlen, deterministic)
+                                       local, softcap > 0.0, varlen, deterministic, dlse is not None)
     need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
     if need > _smem_optin(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         raise NotImplementedError(f"sm80 backward tiles for hdim {cfg.hdim}/{cfg.hdim_v} need {need} B of "
@@ -407,8 +410,6 @@ def run_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tiles.tile_m, cfg.hdim, cfg.deterministic, num_batch,
                                             rows_q, varlen)
     scale = float(softmax_scale)
-    if dlse is not None:
-        pre = jit.compile_kernel(cfg.pre(dlse=True))
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk)
