@@ -84,6 +84,8 @@ SM90_BWD_PDL = True
 # 590, noise (the d = 64 default against itself moved up to 3% in the same run): off. d = 64 with
 # softcap (64-query blocks) and d = 96 / 256 not measured: off there.
 SM90_BWD_MASK_ALWAYS = {(64, False), (192, False), (192, True)}
+# ``ds_before_dv`` by (head dim, causal or window): not yet measured, so off.
+SM90_BWD_DS_BEFORE_DV: set = set()
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
 # d = 192 426 / 478 | 368 / 469 -> 439 / 482 | 389 / 479; d = 96 451 / 519 | 383 / 500 -> 471 /
@@ -299,6 +301,11 @@ class BwdSm90Config(jit.KernelConfig):
     # conversion, stores and barrier with the exponentials (the branch's join stops it), at one
     # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS`` (d = 64 and 192).
     mask_always: bool | None = None
+    # Narrow kernel: dS^T to smem before dV's wgmma is issued, its proxy fence and barrier after
+    # (flash-attn-4's order): the stores drain while dV's wgmmas issue instead of the fence waiting
+    # for them (Nsight Compute, d = 128 causal 16k: fence + barrier + dQ's first wgmma held 10% of
+    # the warps' stall samples, flash-attn-4's 2%). None = ``SM90_BWD_DS_BEFORE_DV``.
+    ds_before_dv: bool | None = None
 
     kernel_name = "bwd_sm90"
 
@@ -347,6 +354,11 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.mask_always is None:
             object.__setattr__(self, "mask_always", (self.hdim, bool(self.softcap)) in SM90_BWD_MASK_ALWAYS)
+        if self.ds_before_dv is None:
+            object.__setattr__(self, "ds_before_dv",
+                               narrow and (self.hdim, self.causal or self.local) in SM90_BWD_DS_BEFORE_DV)
+        if self.ds_before_dv and not narrow:
+            raise ValueError("sm90 backward: ds_before_dv is a narrow-kernel (d <= 128) switch")
         if self.lpt is None:
             object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
         if self.rotate_m is None:

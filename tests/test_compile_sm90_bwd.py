@@ -171,6 +171,25 @@ VARIANTS = [
     # Query blocks walked from the key block's own offset (the default at d = 256 only).
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, rotate_m=True)
     for d, dv, c in ((64, 64, False), (128, 128, True), (192, 192, False), (192, 128, True))
+] + [
+    # dS^T stored before dV's wgmma is issued, its fence and barrier after (flash-attn-4's order),
+    # on both dS paths (stmatrix on two buffers, 2-byte stores behind the EMPTY barrier).
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, causal=c, local=lo, softcap=sc, varlen=vl,
+                  deterministic=det, ds_before_dv=True, **kw)
+    for d, c, lo, sc, vl, det, kw in ((64, False, False, False, False, False, {}),
+                                      (64, True, False, False, False, False, {}),
+                                      (96, True, False, False, True, False, {}),
+                                      (128, False, False, False, False, False, {}),
+                                      (128, True, False, False, False, False, dict(mask_always=True)),
+                                      (128, False, True, True, False, False, {}),
+                                      (128, True, False, False, True, True, {}),
+                                      (128, True, False, False, False, False,
+                                       dict(dq_before_dk=False, ds_stages=1, ds_stmatrix=False)))
+] + [
+    # flash-attn-4's d = 128 non-causal tile (80 query rows) with the 64-row tile's switches.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, tile_m=80, ds_stmatrix=True, varlen=vl,
+                  dq_writer_batch=True, dkv_stmatrix=True, mask_always=True, ds_before_dv=dsb)
+    for vl, dsb in ((False, False), (False, True), (True, True))
 ]
 
 
@@ -182,7 +201,7 @@ def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "pdl", "dkv_stmatrix",
              "post_stage_smem", "split_loads", "spin_waits", "dkv_via_ds", "persistent", "lpt_balanced",
-             "rotate_m", "mask_always")
+             "rotate_m", "mask_always", "ds_before_dv")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["ascending"] if cfg.deterministic and not cfg.det_descending else []
     flags += ["consumers"] if cfg.deterministic and not cfg.dq_warp else []
@@ -256,6 +275,21 @@ def test_sm90_bwd_compiles_with_wgmma_tma_and_no_spills(cfg: BwdSm90Config) -> N
             assert sass.count("STSM.16.MT88.4") == per_thread // 8
             pds = 0 if cfg.ds_stmatrix else 2 * cfg.tile_m * cfg.tile_n // 256
             assert len(re.findall(r"\bSTS\.U16\b", sass)) <= pds  # (some pairs merge into 4-byte stores)
+
+
+@pytest.mark.parametrize("ds_before_dv", [False, True])
+def test_sm90_bwd_ds_before_dv_moves_the_ds_stores_ahead_of_dvs_wgmma(ds_before_dv: bool) -> None:
+    """``ds_before_dv``: dS^T's stmatrix comes before dV's (register-A) wgmma in program order,
+    and the proxy fence after it, so the stores drain while dV issues; off, after it."""
+    ptx, _ = jit.compile_artifacts(BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, causal=True,
+                                                 ds_before_dv=ds_before_dv))
+    rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(bf16|f16)\.(bf16|f16)\s+\{[^}]*\},\s*\{"
+    first_dv = re.search(rs, ptx).start()
+    stores = [m.start() for m in re.finditer(r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", ptx)]
+    assert len(stores) == 4  # tile_m / 16 per thread and block
+    assert all((x < first_dv) == ds_before_dv for x in stores)
+    fence = ptx.index("fence.proxy.async.shared::cta", max(stores))
+    assert fence > first_dv
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
@@ -454,7 +488,8 @@ CANDIDATE_SWITCHES = {
     "post-stage-smem": dict(post_stage_smem=True), "spin-waits": dict(spin_waits=True),
     "spin-waits-split-loads": dict(spin_waits=True, split_loads=True),
     "pre-256-threads": dict(pre_threads=256), "rotate-m": dict(rotate_m=True),
-    "mask-always": dict(mask_always=True),
+    "mask-always": dict(mask_always=True), "ds-before-dv": dict(ds_before_dv=True),
+    "ds-before-dv-mask-always": dict(ds_before_dv=True, mask_always=True),
     "all": dict(prefetch_stats=True, dq_writer_batch=True, pdl=True, dkv_stmatrix=True, post_stage_smem=True)}
 
 
@@ -479,6 +514,18 @@ def test_sm90_bwd_candidate_switches_keep_gradients_within_twice_pytorch_error(c
 def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> None:
     """tile_m = 80 with one-tile stmatrix dS^T (non-causal, no window: what it allows)."""
     _check_gradients(case, overrides=dict(tile_m=80, ds_stmatrix=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 2, 5)])
+@pytest.mark.parametrize("ds_before_dv", [False, True])
+def test_sm90_bwd_80_query_rows_with_the_64_row_switches_keep_gradients(case: tuple,
+                                                                        ds_before_dv: bool) -> None:
+    """tile_m = 80 with the switches the 64-row tile takes at d = 128 (the dQ writer's batched
+    adds, stmatrix dK / dV, every block masked), with and without dS stored before dV's wgmma."""
+    _check_gradients(case, overrides=dict(tile_m=80, ds_stmatrix=True, dq_writer_batch=True,
+                                          dkv_stmatrix=True, mask_always=True, ds_before_dv=ds_before_dv))
 
 
 @pytest.mark.gpu

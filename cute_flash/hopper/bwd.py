@@ -117,6 +117,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         self.lpt = cfg.lpt
         self.prefetch_stats = cfg.prefetch_stats
         self.mask_always = cfg.mask_always
+        self.ds_before_dv = cfg.ds_before_dv
         self.num_mma_threads = NUM_MMA_THREADS
         self.num_threads = 384
         elem = self.dtype.width // 8
@@ -561,27 +562,17 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         convert_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         convert_pairs(acc_dP, rdS)
+        tdQrdS = ctx.tdQrdS
+        if cutlass.const_expr(self.ds_before_dv):
+            tdQrdS = self.store_ds(ctx, rdS, s)
         # dV += P^T dO and dK += dS^T Q, A straight from registers.
         wg_gemm(self.mma_dkv, ctx.acc_dV, acc_to_frgA_sm90(rP), ctx.tdVrdOt[None, None, None, s],
                 zero_init=False, wg_wait=-1)
         if cutlass.const_expr(not self.dq_before_dk):
             wg_gemm(self.mma_dkv, ctx.acc_dK, acc_to_frgA_sm90(rdS), ctx.tdKrQt[None, None, None, s],
                     zero_init=False, wg_wait=-1)
-        # dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups. One buffer: wait until
-        # both warpgroups' previous dQ GEMMs are done with it. Two (per Q/dO stage): the previous
-        # block's FULL barrier already implies that for the buffer written now (block i - 2's).
-        tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
-        if cutlass.const_expr(self.ds_stmatrix):
-            tSsdSt = ctx.tRSsdSt
-        if cutlass.const_expr(self.ds_stages > 1):
-            tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
-        else:
-            cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-        if cutlass.const_expr(self.ds_stmatrix):
-            cute.copy(ctx.st_dS, ctx.thr_st_dS.retile(rdS), tSsdSt)
-        else:
-            for i in cutlass.range_constexpr(cute.size(rdS)):
-                tSsdSt[i] = rdS[i]
+        if cutlass.const_expr(not self.ds_before_dv):
+            tdQrdS = self.store_ds(ctx, rdS, s)
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C(dq_acc_shape(self.tile_m, self.hdim)),
@@ -600,6 +591,26 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             if cutlass.const_expr(self.split_loads):
                 pipes.do.consumer_release(state)
             self.store_dq(ctx, acc_dQ, head, m_block)
+
+    @cute.jit
+    def store_ds(self, ctx, rdS, s):
+        """dS^T -> smem for dQ = dS K, whose key axis spans both warpgroups; returns the dQ MMA's
+        dS operand view of the buffer written. One buffer: wait until both warpgroups' previous dQ
+        GEMMs are done with it. Two (per Q/dO stage): the previous block's FULL barrier already
+        implies that for the buffer written now (block i - 2's). The caller fences and signals."""
+        tSsdSt, tdQrdS = ctx.tSsdSt, ctx.tdQrdS
+        if cutlass.const_expr(self.ds_stmatrix):
+            tSsdSt = ctx.tRSsdSt
+        if cutlass.const_expr(self.ds_stages > 1):
+            tSsdSt, tdQrdS = tSsdSt[None, None, None, s], tdQrdS[None, None, None, s]
+        else:
+            cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
+        if cutlass.const_expr(self.ds_stmatrix):
+            cute.copy(ctx.st_dS, ctx.thr_st_dS.retile(rdS), tSsdSt)
+        else:
+            for i in cutlass.range_constexpr(cute.size(rdS)):
+                tSsdSt[i] = rdS[i]
+        return tdQrdS
 
     @cute.jit
     def store_dq_under_dk(self, ctx, pipes, q_state, do_state, acc_dQ, head: Int32, m_block: Int32):
