@@ -82,10 +82,22 @@ SM90_BWD_PDL = True
 # on d = 64 / 128 / 192 / 256 cases (causal, windows, GQA, softcap in the wide kernel). d = 128,
 # session 18 (N = 2k / 8k / 16k): 516 / 585 / 598 | 455 / 561 / 582 -> 526 / 579 / 591 | 445 / 561 /
 # 590, noise (the d = 64 default against itself moved up to 3% in the same run): off. d = 64 with
-# softcap (64-query blocks) and d = 96 / 256 not measured: off there.
-SM90_BWD_MASK_ALWAYS = {(64, False), (192, False), (192, True)}
-# ``ds_before_dv`` by (head dim, causal or window): not yet measured, so off.
-SM90_BWD_DS_BEFORE_DV: set = set()
+# softcap (64-query blocks) and d = 256 not measured: off there. d = 96, session 19 (5 rounds,
+# N = 2k / 4k / 8k / 16k, non-causal | causal, flash-attn-4 in the same run): 461 / 500 / 521 /
+# 529 | 399 / 465 / 496 / 525 -> 488 / 521 / 536 / 543 | 418 / 484 / 513 / 529 (with
+# ``ds_before_dv`` causal; flash-attn-4 492 / 533 / 542 / 551 | 410 / 476 / 504 / 526).
+SM90_BWD_MASK_ALWAYS = {(64, False), (96, False), (192, False), (192, True)}
+# ``ds_before_dv`` by (head dim, causal or window), session 19 (5 rounds, TFLOP/s): on at d = 96
+# causal with ``mask_always`` (4k 474 -> 484 over ``mask_always`` alone; non-causal 543 -> 534 at
+# 16k, so not there). d = 64 and d = 128: within noise (+-2%, d = 128 causal 16k 595 -> 590).
+SM90_BWD_DS_BEFORE_DV = {(96, True)}
+# Non-causal d = 128 at long sequences: flash-attn-4's 80-query tile with the 64-row tile's
+# switches (``long_rows_overrides``). Session 19 (TFLOP/s, ours 64 -> 80, flash-attn-4): 16k
+# 597 -> 612 (592), 594 -> 602 (602); 8k 597 -> 596, 586 -> 577; 4k 570 -> 568; 2k 532 -> 524:
+# only at long N, where the last partial 80-row block wastes little (2k: 1.6% of the rows) and
+# the per-block costs dominate. Nsight Compute, 16k: 8.03 -> 7.87 ms (flash-attn-4 7.82).
+SM90_BWD_LONG_ROWS = {128: (12288, dict(tile_m=80, ds_stmatrix=True, dq_writer_batch=True, dkv_stmatrix=True,
+                                        mask_always=True))}
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:
 # d = 192 426 / 478 | 368 / 469 -> 439 / 482 | 389 / 479; d = 96 451 / 519 | 383 / 500 -> 471 /
@@ -525,6 +537,17 @@ class BwdSm90PostConfig(jit.KernelConfig):
         return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
+def long_rows_overrides(cfg: BwdSm90Config, max_seqlen_q: int) -> dict:
+    """``SM90_BWD_LONG_ROWS``' launch rule: the config fields that take the long-sequence tile --
+    fixed-length, non-causal, no window / softcap / deterministic mode, d_v = d, at least the
+    head dim's threshold of query rows -- else none."""
+    rule = SM90_BWD_LONG_ROWS.get(cfg.hdim)
+    if (rule is None or cfg.hdim_v != cfg.hdim or cfg.causal or cfg.local or cfg.softcap or cfg.varlen
+            or cfg.deterministic or max_seqlen_q < rule[0]):
+        return {}
+    return dict(rule[1])
+
+
 def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> bool:
     """``SM90_BWD_DET_ROTATE``'s launch rule: deterministic, no masks, one grid CTA per key block
     (not persistent), and every key block of a head resident at once (one CTA per SM)."""
@@ -547,9 +570,12 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     varlen = cu_seqlens_q is not None
     num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    cfg = BwdSm90Config(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
-                        local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
-                        **(overrides or {}))
+    problem = dict(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal, local=local,
+                   softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
+    cfg = BwdSm90Config(**problem, **(overrides or {}))
+    long_rows = long_rows_overrides(cfg, mq)
+    if long_rows and "tile_m" not in (overrides or {}):
+        cfg = BwdSm90Config(**problem, **{**long_rows, **(overrides or {})})
     if cfg.persistent and "num_ctas" not in (overrides or {}):
         cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
     if det_rotate_applies(cfg, mk, sm_count(q.device)) and "rotate_m" not in (overrides or {}):

@@ -149,14 +149,20 @@ def _fp8_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
 
 
 def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """The FA3-style backward: main kernel + postprocess (the preprocess is the sm80 one)."""
-    from cute_flash.bwd_sm90 import BwdSm90Config
+    """The FA3-style backward: preprocess, main kernel, postprocess; and where the launcher takes
+    another tile at long sequences (``bwd_sm90.long_rows_overrides``), that tile's three too."""
+    from cute_flash.bwd_sm90 import BwdSm90Config, long_rows_overrides
 
-    cfg = BwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
-                        hdim_v=variant.dv, causal=variant.causal, local=variant.local,
-                        softcap=variant.softcap, varlen=variant.varlen,
-                        deterministic=variant.deterministic)
-    return [cfg.pre(), cfg, cfg.post()]
+    problem = dict(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
+                   hdim_v=variant.dv, causal=variant.causal, local=variant.local, softcap=variant.softcap,
+                   varlen=variant.varlen, deterministic=variant.deterministic)
+    cfg = BwdSm90Config(**problem)
+    configs = [cfg.pre(), cfg, cfg.post()]
+    long_rows = long_rows_overrides(cfg, max_seqlen_q=1 << 30)
+    if long_rows:
+        long_cfg = BwdSm90Config(**problem, **long_rows)
+        configs += [c for c in (long_cfg.pre(), long_cfg, long_cfg.post()) if c not in configs]
+    return configs
 
 
 def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:

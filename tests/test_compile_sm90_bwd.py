@@ -361,6 +361,27 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
     assert cfg.lpt and cfg.lpt_last_section_short(n, kv_heads) == short
 
 
+@pytest.mark.parametrize("kw,rows,long", [(dict(hdim=128), 16384, True), (dict(hdim=128), 12288, True),
+                                          (dict(hdim=128), 12287, False),
+                                          (dict(hdim=128, causal=True), 16384, False),
+                                          (dict(hdim=128, local=True), 16384, False),
+                                          (dict(hdim=128, softcap=True), 16384, False),
+                                          (dict(hdim=128, varlen=True), 16384, False),
+                                          (dict(hdim=128, deterministic=True), 16384, False),
+                                          (dict(hdim=64), 16384, False), (dict(hdim=256), 16384, False)])
+def test_sm90_bwd_launcher_takes_80_query_rows_only_for_long_unmasked_d128(kw: dict, rows: int,
+                                                                           long: bool) -> None:
+    """``long_rows_overrides``: fixed-length non-causal d = 128 from 12k query rows, nothing else;
+    the tile it gives compiles (its switches resolve without a conflict)."""
+    from cute_flash.bwd_sm90 import long_rows_overrides
+
+    cfg = BwdSm90Config(target="sm_90a", **kw)
+    over = long_rows_overrides(cfg, rows)
+    assert bool(over) == long
+    if long:
+        assert BwdSm90Config(target="sm_90a", **kw, **over).tile_m == 80
+
+
 def test_sm90_bwd_rotates_the_query_walk_by_default_only_at_d256_and_not_in_deterministic_mode() -> None:
     """The rotated walk measured faster at d = 256 without masks only; deterministic mode takes
     it only when asked (its rotated add order), and never with masks (the order assumes every key
@@ -514,6 +535,15 @@ def test_sm90_bwd_candidate_switches_keep_gradients_within_twice_pytorch_error(c
 def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> None:
     """tile_m = 80 with one-tile stmatrix dS^T (non-causal, no window: what it allows)."""
     _check_gradients(case, overrides=dict(tile_m=80, ds_stmatrix=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+def test_sm90_bwd_long_sequences_take_the_80_row_tile_and_keep_gradients() -> None:
+    """12300 query rows (a partial last 80-row block) at d = 128 non-causal: the launcher compiles
+    and runs the long-sequence tile on its own, within the usual error rule."""
+    _check_gradients((1, 12300, 12300, 2, 2, False, (-1, -1), 0.0, 128))
+    assert any(isinstance(c, BwdSm90Config) and c.tile_m == 80 and c.target is None for c in jit._cache)
 
 
 @pytest.mark.gpu
