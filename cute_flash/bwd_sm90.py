@@ -311,7 +311,7 @@ class BwdSm90Config(jit.KernelConfig):
     # Every block through the masked exponentials (flash-attn-4's loop) instead of a uniform
     # branch to an unmasked copy for interior blocks: one basic block, so ptxas may interleave P's
     # conversion, stores and barrier with the exponentials (the branch's join stops it), at one
-    # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS`` (d = 64 and 192).
+    # compare-and-select per score. None = ``SM90_BWD_MASK_ALWAYS`` (d = 64, 96 and 192).
     mask_always: bool | None = None
     # Narrow kernel: dS^T to smem before dV's wgmma is issued, its proxy fence and barrier after
     # (flash-attn-4's order): the stores drain while dV's wgmmas issue instead of the fence waiting
