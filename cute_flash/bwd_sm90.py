@@ -537,13 +537,15 @@ class BwdSm90PostConfig(jit.KernelConfig):
         return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
-def long_rows_overrides(cfg: BwdSm90Config, max_seqlen_q: int) -> dict:
-    """``SM90_BWD_LONG_ROWS``' launch rule: the config fields that take the long-sequence tile --
-    fixed-length, non-causal, no window / softcap / deterministic mode, d_v = d, at least the
-    head dim's threshold of query rows -- else none."""
-    rule = SM90_BWD_LONG_ROWS.get(cfg.hdim)
-    if (rule is None or cfg.hdim_v != cfg.hdim or cfg.causal or cfg.local or cfg.softcap or cfg.varlen
-            or cfg.deterministic or max_seqlen_q < rule[0]):
+def long_rows_overrides(problem: dict, max_seqlen_q: int) -> dict:
+    """``SM90_BWD_LONG_ROWS``' launch rule on a problem's ``BwdSm90Config`` fields (hdim, hdim_v,
+    causal, ...; checked before any config is built, so the launch path builds one): the fields
+    that take the long-sequence tile -- fixed-length, non-causal, no window / softcap /
+    deterministic mode, d_v = d, at least the head dim's threshold of query rows -- else none."""
+    hdim = problem["hdim"]
+    rule = SM90_BWD_LONG_ROWS.get(hdim)
+    special = any(problem.get(f) for f in ("causal", "local", "softcap", "varlen", "deterministic"))
+    if rule is None or problem.get("hdim_v", hdim) not in (0, hdim) or special or max_seqlen_q < rule[0]:
         return {}
     return dict(rule[1])
 
@@ -572,10 +574,8 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
     problem = dict(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal, local=local,
                    softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
-    cfg = BwdSm90Config(**problem, **(overrides or {}))
-    long_rows = long_rows_overrides(cfg, mq)
-    if long_rows and "tile_m" not in (overrides or {}):
-        cfg = BwdSm90Config(**problem, **{**long_rows, **(overrides or {})})
+    long_rows = {} if "tile_m" in (overrides or {}) else long_rows_overrides(problem, mq)
+    cfg = BwdSm90Config(**problem, **{**long_rows, **(overrides or {})})
     if cfg.persistent and "num_ctas" not in (overrides or {}):
         cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
     if det_rotate_applies(cfg, mk, sm_count(q.device)) and "rotate_m" not in (overrides or {}):

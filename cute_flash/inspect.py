@@ -158,7 +158,7 @@ def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
                    varlen=variant.varlen, deterministic=variant.deterministic)
     cfg = BwdSm90Config(**problem)
     configs = [cfg.pre(), cfg, cfg.post()]
-    long_rows = long_rows_overrides(cfg, max_seqlen_q=1 << 30)
+    long_rows = long_rows_overrides(problem, max_seqlen_q=1 << 30)
     if long_rows:
         long_cfg = BwdSm90Config(**problem, **long_rows)
         configs += [c for c in (long_cfg.pre(), long_cfg, long_cfg.post()) if c not in configs]

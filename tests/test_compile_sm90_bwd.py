@@ -375,8 +375,7 @@ def test_sm90_bwd_launcher_takes_80_query_rows_only_for_long_unmasked_d128(kw: d
     the tile it gives compiles (its switches resolve without a conflict)."""
     from cute_flash.bwd_sm90 import long_rows_overrides
 
-    cfg = BwdSm90Config(target="sm_90a", **kw)
-    over = long_rows_overrides(cfg, rows)
+    over = long_rows_overrides(dict(target="sm_90a", **kw), rows)
     assert bool(over) == long
     if long:
         assert BwdSm90Config(target="sm_90a", **kw, **over).tile_m == 80
