@@ -433,9 +433,6 @@ class BwdSm90Config(jit.KernelConfig):
         if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
             raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
                              "two warpgroups) needs d = 128, no softcap (it spills 37 registers)")
-        if self.post_stage_smem and self.tile_m == 80:
-            # (The 80-row dQ^T tile keeps its direct stores.)
-            raise ValueError("sm90 backward: post_stage_smem needs tile_m 64 / 128")
         if self.tile_m == 80 and self.ds_stmatrix and (self.causal or self.local or self.deterministic):
             raise ValueError("sm90 backward: stmatrix dS at tile_m = 80 only without masks or "
                              "deterministic mode (they spill / serialise the wgmmas)")
@@ -450,7 +447,7 @@ class BwdSm90Config(jit.KernelConfig):
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
         auto = dict(pdl=SM90_BWD_PDL,
-                    post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS and self.tile_m != 80,
+                    post_stage_smem=self.hdim in SM90_BWD_POST_STAGE_HDIMS,
                     prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap) if narrow
                     else SM90_BWD_WIDE_PREFETCH_STATS,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH and bool(self.dq_warp),

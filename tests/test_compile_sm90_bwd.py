@@ -292,10 +292,11 @@ def test_sm90_bwd_ds_before_dv_moves_the_ds_stores_ahead_of_dvs_wgmma(ds_before_
     assert fence > first_dv
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int) -> None:
-    """``post_stage_smem``: dQ leaves through stmatrix and 16-byte global stores only."""
-    cfg = BwdSm90Config(target="sm_90a", hdim=d, post_stage_smem=True).post()
+@pytest.mark.parametrize("d,tile_m", [(64, 0), (96, 0), (128, 0), (128, 80), (192, 0), (256, 0)])
+def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int, tile_m: int) -> None:
+    """``post_stage_smem``: dQ leaves through stmatrix and 16-byte global stores only (the 80-row
+    tile's dQ^T fragment through transposing stmatrix)."""
+    cfg = BwdSm90Config(target="sm_90a", hdim=d, tile_m=tile_m, post_stage_smem=True).post()
     _, cubin = jit.compile_artifacts(cfg)
     if ins.tools_dir() is None:
         pytest.skip("no cuobjdump")
@@ -328,8 +329,6 @@ def test_sm90_bwd_rejects_what_it_does_not_cover_yet() -> None:
         BwdSm90Config(target="sm_90a", hdim=128, softcap=True, prefetch_stats=True)
     with pytest.raises(ValueError):
         BwdSm90Config(target="sm_90a", hdim=128, tile_m=80, ds_stmatrix=True, causal=True)
-    with pytest.raises(ValueError):
-        BwdSm90Config(target="sm_90a", post_stage_smem=True, hdim=128, tile_m=80)
 
 
 def test_sm90_bwd_persistent_grid_refuses_what_it_cannot_walk() -> None:
@@ -480,10 +479,12 @@ def test_sm90_bwd_narrow_v_gradients_within_twice_pytorch_error(case: tuple) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 1, 2, 3, 5, 7, 9)])
-def test_sm90_bwd_80_query_rows_keep_gradients_within_twice_pytorch_error(case: tuple) -> None:
+@pytest.mark.parametrize("staged", [True, False], ids=["post-staged", "post-direct"])
+def test_sm90_bwd_80_query_rows_keep_gradients_within_twice_pytorch_error(case: tuple, staged: bool) -> None:
     """tile_m = 80 at d = 128: dQ^T = K^T dS^T (head dim on M), read back transposed by the
-    postprocess; query blocks that straddle 64-row boundaries."""
-    _check_gradients(case, overrides=dict(tile_m=80))
+    postprocess (through smem by transposing stmatrix, or stored straight from the fragment);
+    query blocks that straddle 64-row boundaries."""
+    _check_gradients(case, overrides=dict(tile_m=80, post_stage_smem=staged))
 
 
 @pytest.mark.gpu
