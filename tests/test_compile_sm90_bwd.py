@@ -303,6 +303,9 @@ def test_sm90_bwd_postprocess_staged_through_smem_writes_16_byte_rows(d: int, ti
     sass = ins.cubin_sass_and_usage(cubin)[0] or ""
     stores = re.findall(r"STG\.E(?:\.\w+)*", sass)
     assert "STSM" in sass and stores and set(stores) == {"STG.E.128"}, set(stores)
+    # One 16-byte smem read per 16 bytes of the tile: no row pass reaches past it (32-row passes
+    # over an 80-row tile did, and faulted on the GPU).
+    assert sass.count("LDS.128") == cfg.tile_m * d * 2 // 16 // 256
 
 
 def test_sm90_bwd_postprocess_compiles() -> None:

@@ -27,9 +27,9 @@ def smem_tile(dtype, rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
-def _thread_layout(cols: int, num_threads: int, dtype):
+def _thread_layout(cols: int, num_threads: int, dtype, chunk: int = 0):
     elems = 128 // dtype.width
-    chunk = 64 if cols % 64 == 0 else 32
+    chunk = chunk or (64 if cols % 64 == 0 else 32)
     per_row = chunk // elems
     return cute.make_ordered_layout((num_threads // per_row, per_row), order=(1, 0)), elems
 
@@ -42,9 +42,10 @@ def g2s_tiled_copy(dtype, cols: int, num_threads: int):
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
 
-def r2g_tiled_copy(dtype, cols: int, num_threads: int):
-    """16-byte vector copies for the smem -> gmem leg of the epilogue."""
-    thr, elems = _thread_layout(cols, num_threads, dtype)
+def r2g_tiled_copy(dtype, cols: int, num_threads: int, chunk: int = 0):
+    """16-byte vector copies for the smem -> gmem leg of the epilogue; ``chunk`` columns per row
+    of threads (0: 64, or 32 where the columns are not a multiple of 64)."""
+    thr, elems = _thread_layout(cols, num_threads, dtype, chunk)
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 

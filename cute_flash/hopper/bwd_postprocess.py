@@ -101,7 +101,11 @@ class FlashBwdPostSm90:
         r2s = cute.make_tiled_copy_C(store_op, mma).get_slice(tidx)
         cute.copy(r2s, r2s.retile(frag), r2s.partition_D(sdst))
         cute.arch.barrier()
-        copy = common.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS)
+        # 256 threads over 64 columns make 32-row passes, and an 80-row tile's last one would
+        # read and store past the tile; whole rows per row of threads (16-row passes at d = 128).
+        chunk = 0 if self.tile_m % 32 == 0 else self.hdim
+        assert not chunk or self.tile_m % (NUM_MMA_THREADS * 8 // chunk) == 0
+        copy = common.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS, chunk)
         common.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
 
     @cute.jit
