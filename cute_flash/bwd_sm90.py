@@ -91,12 +91,14 @@ SM90_BWD_MASK_ALWAYS = {(64, False), (96, False), (192, False), (192, True)}
 # causal with ``mask_always`` (4k 474 -> 484 over ``mask_always`` alone; non-causal 543 -> 534 at
 # 16k, so not there). d = 64 and d = 128: within noise (+-2%, d = 128 causal 16k 595 -> 590).
 SM90_BWD_DS_BEFORE_DV = {(96, True)}
-# Non-causal d = 128 at long sequences: flash-attn-4's 80-query tile with the 64-row tile's
+# Non-causal d = 128 from 2k query rows: flash-attn-4's 80-query tile with the 64-row tile's
 # switches (``long_rows_overrides``). Session 19 (TFLOP/s, ours 64 -> 80, flash-attn-4): 16k
-# 597 -> 612 (592), 594 -> 602 (602); 8k 597 -> 596, 586 -> 577; 4k 570 -> 568; 2k 532 -> 524:
-# only at long N, where the last partial 80-row block wastes little (2k: 1.6% of the rows) and
-# the per-block costs dominate. Nsight Compute, 16k: 8.03 -> 7.87 ms (flash-attn-4 7.82).
-SM90_BWD_LONG_ROWS = {128: (12288, dict(tile_m=80, ds_stmatrix=True, dq_writer_batch=True, dkv_stmatrix=True,
+# 597 -> 612 (592), 594 -> 602 (602); 8k 597 -> 596, 586 -> 577; 4k 570 -> 568; 2k 532 -> 524,
+# with the 80-row postprocess still storing dQ^T element by element (75 vs 49 us at B.N = 16k).
+# Session 20, with it staged through smem (7 rounds, one call): 2k 527 -> 533 (537), 4k 565 ->
+# 576 (580), 8k 581 -> 592 (602). Nsight Compute, 16k: 8.03 -> 7.87 ms (flash-attn-4 7.82); 4k
+# main kernel 2065 -> 2039 us (2039), though a later call had it 2055 -> 2099 (2067).
+SM90_BWD_LONG_ROWS = {128: (2048, dict(tile_m=80, ds_stmatrix=True, dq_writer_batch=True, dkv_stmatrix=True,
                                         mask_always=True))}
 # dQ out of the postprocess through smem (stmatrix in, 16-byte rows out). d = 96 / 192 since
 # session 17 (half-width swizzle atoms), one run, TFLOP/s, N = 2k / 8k, non-causal | causal:

@@ -3,9 +3,8 @@
 # standard backward grid beside the peers, FP8 tuning and benchmarks. Logs under $OUT
 # (at most 8 files come back: keep it that way). Run after `source .devsite/device-site.sh`.
 #   scripts/device_bwd_check.sh [fp8tests] [tests] [bwdnew] [bench] [bwdtune] [fp8tune] [fp8]   (default: fp8tests tests bench)
-# Session 19 ran tests / bench with the 80-row tile at long N (d = 128 non-causal) and d = 96
-# mask_always; still open: d = 128 non-causal 4k (0.96-0.99x flash-attn-4 this session) --
-# profile it with scripts/ncu_bwd.sh 128 4096 0.
+# Session 20: the 80-row tile (d = 128 non-causal) from 2k query rows, its postprocess staged
+# through smem; scripts/wave_tail.py showed the partial last wave costs ~nothing (power-bound).
 # fp8tests runs the FP8 test files alone (first, so a fault there cannot poison the other shards);
 # tests then runs everything else.
 set -uo pipefail

@@ -363,8 +363,8 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
     assert cfg.lpt and cfg.lpt_last_section_short(n, kv_heads) == short
 
 
-@pytest.mark.parametrize("kw,rows,long", [(dict(hdim=128), 16384, True), (dict(hdim=128), 12288, True),
-                                          (dict(hdim=128), 12287, False),
+@pytest.mark.parametrize("kw,rows,long", [(dict(hdim=128), 16384, True), (dict(hdim=128), 2048, True),
+                                          (dict(hdim=128), 2047, False),
                                           (dict(hdim=128, causal=True), 16384, False),
                                           (dict(hdim=128, local=True), 16384, False),
                                           (dict(hdim=128, softcap=True), 16384, False),
@@ -373,7 +373,7 @@ def test_sm90_bwd_launcher_balances_lpt_sections_only_where_the_last_would_be_sh
                                           (dict(hdim=64), 16384, False), (dict(hdim=256), 16384, False)])
 def test_sm90_bwd_launcher_takes_80_query_rows_only_for_long_unmasked_d128(kw: dict, rows: int,
                                                                            long: bool) -> None:
-    """``long_rows_overrides``: fixed-length non-causal d = 128 from 12k query rows, nothing else;
+    """``long_rows_overrides``: fixed-length non-causal d = 128 from 2k query rows, nothing else;
     the tile it gives compiles (its switches resolve without a conflict)."""
     from cute_flash.bwd_sm90 import long_rows_overrides
 
@@ -543,9 +543,9 @@ def test_sm90_bwd_80_query_rows_with_stmatrix_ds_keep_gradients(case: tuple) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 def test_sm90_bwd_long_sequences_take_the_80_row_tile_and_keep_gradients() -> None:
-    """12300 query rows (a partial last 80-row block) at d = 128 non-causal: the launcher compiles
+    """4100 query rows (a partial last 80-row block) at d = 128 non-causal: the launcher compiles
     and runs the long-sequence tile on its own, within the usual error rule."""
-    _check_gradients((1, 12300, 12300, 2, 2, False, (-1, -1), 0.0, 128))
+    _check_gradients((2, 4100, 4100, 2, 2, False, (-1, -1), 0.0, 128))
     assert any(isinstance(c, BwdSm90Config) and c.tile_m == 80 and c.target is None for c in jit._cache)
 
 
