@@ -10,6 +10,7 @@ rows); the main kernel adds dQ into the accumulator in its MMA fragment order an
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -557,6 +558,25 @@ def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> b
             and (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n <= num_sms)
 
 
+@functools.lru_cache(maxsize=512)
+def launch_plan(problem: tuple, mq: int, mk: int, heads_q: int, heads_k: int, num_sms: int, dlse: bool,
+                overrides: tuple) -> tuple:
+    """The config and compiled (pre, main, post) kernels of one backward problem, cached: a
+    backward at N = 2k runs in ~0.5 ms, and building the configs and their launch rules again on
+    every call (~0.1-0.2 ms of Python) can leave the GPU waiting for the host."""
+    problem, overrides = dict(target=None, **dict(problem)), dict(overrides)
+    long_rows = {} if "tile_m" in overrides else long_rows_overrides(problem, mq)
+    cfg = BwdSm90Config(**problem, **{**long_rows, **overrides})
+    if cfg.persistent and "num_ctas" not in overrides:
+        cfg = dataclasses.replace(cfg, num_ctas=num_sms)
+    if det_rotate_applies(cfg, mk, num_sms) and "rotate_m" not in overrides:
+        cfg = dataclasses.replace(cfg, rotate_m=True)
+    if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in overrides
+            and cfg.lpt_last_section_short(mq * (heads_q // heads_k), heads_k)):
+        cfg = dataclasses.replace(cfg, lpt_balanced=True)
+    return (cfg, *(jit.compile_kernel(c) for c in (cfg.pre(dlse=dlse), cfg, cfg.post())))
+
+
 def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
                  softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
@@ -571,18 +591,11 @@ def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     varlen = cu_seqlens_q is not None
     num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    problem = dict(target=None, dtype=dtype, hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal, local=local,
-                   softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic)
-    long_rows = {} if "tile_m" in (overrides or {}) else long_rows_overrides(problem, mq)
-    cfg = BwdSm90Config(**problem, **{**long_rows, **(overrides or {})})
-    if cfg.persistent and "num_ctas" not in (overrides or {}):
-        cfg = dataclasses.replace(cfg, num_ctas=sm_count(q.device))
-    if det_rotate_applies(cfg, mk, sm_count(q.device)) and "rotate_m" not in (overrides or {}):
-        cfg = dataclasses.replace(cfg, rotate_m=True)
-    if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in (overrides or {})
-            and cfg.lpt_last_section_short(mq * (q.shape[-2] // k.shape[-2]), k.shape[-2])):
-        cfg = dataclasses.replace(cfg, lpt_balanced=True)
-    pre, main, post = (jit.compile_kernel(c) for c in (cfg.pre(dlse=dlse is not None), cfg, cfg.post()))
+    problem = (("dtype", dtype), ("hdim", q.shape[-1]), ("hdim_v", v.shape[-1]), ("causal", causal),
+               ("local", local), ("softcap", softcap > 0.0), ("varlen", varlen),
+               ("deterministic", deterministic))
+    cfg, pre, main, post = launch_plan(problem, mq, mk, q.shape[-2], k.shape[-2], sm_count(q.device),
+                                       dlse is not None, tuple(sorted((overrides or {}).items())))
     lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)

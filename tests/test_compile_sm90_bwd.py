@@ -383,6 +383,31 @@ def test_sm90_bwd_launcher_takes_80_query_rows_only_for_long_unmasked_d128(kw: d
         assert BwdSm90Config(target="sm_90a", **kw, **over).tile_m == 80
 
 
+def test_sm90_bwd_launch_plan_is_built_once_per_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_plan``: the configs and kernels of a problem come from its cache on every later
+    call (no config rebuilt on the host per launch); the long-rows tile and overrides still
+    decide the tile, and a causal problem whose last head section is short gets it balanced."""
+    from cute_flash import bwd_sm90
+
+    built: list = []
+    monkeypatch.setattr(jit, "compile_kernel", lambda cfg, keep=False: built.append(cfg) or cfg)
+    fields = dict(dtype="bf16", hdim=128, hdim_v=128, causal=False, local=False, softcap=False,
+                  varlen=False, deterministic=False)
+    bwd_sm90.launch_plan.cache_clear()
+    try:
+        problem = tuple(fields.items())
+        plan = bwd_sm90.launch_plan(problem, 4096, 4096, 16, 16, 132, False, ())
+        assert bwd_sm90.launch_plan(problem, 4096, 4096, 16, 16, 132, False, ()) is plan
+        cfg = plan[0]
+        assert len(built) == 3 and cfg.tile_m == 80 and plan[1:] == (cfg.pre(), cfg, cfg.post())
+        forced = bwd_sm90.launch_plan(problem, 4096, 4096, 16, 16, 132, False, (("tile_m", 64),))
+        assert forced[0].tile_m == 64 and len(built) == 6
+        causal = tuple({**fields, "causal": True}.items())
+        assert bwd_sm90.launch_plan(causal, 8192, 8192, 16, 16, 132, False, ())[0].lpt_balanced
+    finally:
+        bwd_sm90.launch_plan.cache_clear()  # (stand-in kernels must not outlive the test)
+
+
 def test_sm90_bwd_rotates_the_query_walk_by_default_only_at_d256_and_not_in_deterministic_mode() -> None:
     """The rotated walk measured faster at d = 256 without masks only; deterministic mode takes
     it only when asked (its rotated add order), and never with masks (the order assumes every key
