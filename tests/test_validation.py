@@ -334,6 +334,44 @@ def test_backward_rejects_bad_dout_out_lse_or_dlse(change, exc, pattern):
 
 
 # ---------------------------------------------------------------------------------------------
+# Repeated calls: metadata checks remembered, data checks every time
+# ---------------------------------------------------------------------------------------------
+def test_repeated_metadata_skips_the_full_checks_but_not_the_pointer_check(monkeypatch):
+    q, k, v = qkv()
+    check(q, k, v)
+    full = []
+    monkeypatch.setattr(validate, "_check_fwd_in_full", lambda *a: full.append(a))
+    check(q, k, v)
+    assert not full
+    bad = misaligned_ptr(q.shape)
+    assert bad.stride() == q.stride()
+    with pytest.raises(ValueError, match="must start at a 16-byte aligned address"):
+        check(bad, k, v)
+
+
+def test_repeated_backward_metadata_still_rejects_a_misaligned_dout():
+    args = _bwd_args()
+    validate.check_bwd(softmax_scale=0.1, **args)
+    with pytest.raises(ValueError, match="dout must start at a 16-byte aligned address"):
+        validate.check_bwd(softmax_scale=0.1, **(args | dict(dout=misaligned_ptr(args["dout"].shape))))
+
+
+def test_remembered_metadata_keeps_int_and_bool_windows_apart():
+    q, k, v = qkv()
+    check(q, k, v, window_size=(1, -1))
+    with pytest.raises(ValueError, match="window_size left must be an int"):
+        check(q, k, v, window_size=(True, -1))
+
+
+def test_remembered_cu_seqlens_metadata_still_reads_new_values():
+    q, k, v, cu_q, cu_k = varlen()
+    check(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=4)
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        check(q, k, v, cu_seqlens_q=torch.tensor([0, 9, 8], dtype=torch.int32), cu_seqlens_k=cu_k,
+              max_seqlen_q=5, max_seqlen_k=4)
+
+
+# ---------------------------------------------------------------------------------------------
 # Through the public API and the CUDA implementations
 # ---------------------------------------------------------------------------------------------
 def test_public_api_raises_the_same_errors(seed):
