@@ -240,3 +240,16 @@ def test_run_bwd_hands_the_sm90_launcher_the_mask_it_was_given(monkeypatch, caus
                 causal=causal, window_size=window, softcap=0.0, deterministic=False)
     assert len(seen) == 1
     assert normalize_window(seen[0]["causal"], seen[0]["window_size"]) == normalize_window(causal, window)
+
+
+def test_forward_config_is_built_once_per_input_metadata():
+    """``fwd_config`` remembers the config of each (family, dtype, shapes, strides, device, mask)
+    so a training step does not rebuild it on the host; anything it reads changes the answer."""
+    q, k, v = (torch.randn(2, 70, 4, 64, dtype=BF16) for _ in range(3))
+    kw = dict(causal=True, local=False, softcap=0.0, varlen=False, config_cls=FwdSm90Config)
+    first = fwd.fwd_config(q, v, **kw)
+    assert fwd.fwd_config(q.clone(), v.clone(), **kw) is first
+    assert not fwd.fwd_config(q, v, **(kw | dict(causal=False))).causal
+    assert fwd.fwd_config(q, v, **(kw | dict(softcap=30.0))).softcap
+    assert fwd.fwd_config(q[..., :32].contiguous(), v[..., :32].contiguous(), **kw).hdim == 32
+    assert type(fwd.fwd_config(q, v, **(kw | dict(config_cls=FwdConfig)))) is FwdConfig
