@@ -291,15 +291,19 @@ def check_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
     key = _meta_key("fwd", (q, k, v, cu_seqlens_q, cu_seqlens_k),
                     (softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k)) if check_data else None
     if _meta_passed(key):
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_aligned(name, t)
-        if cu_seqlens_q is not None and q.device.type != "meta":
-            _check_cu_seqlens_data(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
-                                   max_seqlen_k)
+        _check_fwd_data(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         return
     _check_fwd_in_full(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, check_data)
     _remember(key)
+
+
+def _check_fwd_data(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The forward's checks that read data, for inputs whose metadata passed before."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_aligned(name, t)
+    if cu_seqlens_q is not None and q.device.type != "meta":
+        _check_cu_seqlens_data(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
 
 
 def _check_fwd_in_full(q, k, v, softmax_scale, window_size, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -343,15 +347,17 @@ def check_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               check_data: bool = True) -> None:
     """Everything the backward kernels assume: the forward's checks plus dout/out/lse (and dlse,
     the LSE output's gradient, when given)."""
-    check_fwd(q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-              max_seqlen_k=max_seqlen_k, check_data=check_data)
+    # (The key covers the forward's tensors and scalars too: a hit skips its metadata checks.)
     key = _meta_key("bwd", (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dlse),
                     (softmax_scale, window_size, softcap, max_seqlen_q, max_seqlen_k)) if check_data else None
     if _meta_passed(key):
+        _check_fwd_data(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         _check_aligned("dout", dout)
         _check_aligned("out", out)
         return
+    check_fwd(q, k, v, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k, check_data=check_data)
     _check_bwd_tensors(dout, q, v, out, lse, cu_seqlens_q, dlse, check_data)
     _remember(key)
 

@@ -104,7 +104,7 @@ class FlashBwdPostSm90:
         # 256 threads over 64 columns make 32-row passes, and an 80-row tile's last one would
         # read and store past the tile; whole rows per row of threads (16-row passes at d = 128).
         chunk = 0 if self.tile_m % 32 == 0 else self.hdim
-        assert not chunk or self.tile_m % (NUM_MMA_THREADS * 8 // chunk) == 0
+        assert not chunk or self.tile_m % (NUM_MMA_THREADS * (128 // self.dtype.width) // chunk) == 0
         copy = common.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS, chunk)
         common.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
 
