@@ -529,10 +529,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         one of the K-major dS tile, across the accumulator's register pairs."""
         if cutlass.const_expr(not self.ds_stmatrix):
             return {}
-        # 4 tiles per instruction need 32 queries per step; at tile_m = 80 that leaves a remainder
-        # whose registers spill (8 bytes) and serialise every wgmma (4 -> 34 waits), and 2 tiles do
-        # the same; one tile per instruction (20 STSM) compiles clean.
-        tiles = 4 if self.tile_m % 32 == 0 else 1
+        # A 4-tile store takes the same register quad as one k16 slice of the dK GEMM's A operand
+        # (16 keys x 16 queries). At tile_m = 80, issuing it after dK (in flight, its A quads
+        # locked) leaves ptxas short of registers: it serialises every wgmma (4 -> 34 waits), so
+        # there one tile per instruction (20 STSM). Stored ahead of dV (``ds_before_dv``, flash-
+        # attn-4's order) the quads are read before any dK / dV GEMM holds them: 5 STSM, no waits.
+        tiles = 4 if self.tile_m % 32 == 0 or (self.tile_m % 16 == 0 and self.ds_before_dv) else 1
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=tiles),
                                    self.dtype)
         tiled = cute.make_tiled_copy_C(atom, self.mma_sdp)
