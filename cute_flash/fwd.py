@@ -15,6 +15,7 @@ import cutlass
 import torch
 
 from cute_flash import jit
+from cute_flash.memo import HostMemo
 
 SUPPORTED_HDIMS = (32, 64, 96, 128, 160, 192, 256)
 
@@ -162,8 +163,7 @@ def fwd_family(device: torch.device | int | str | None = None, hdim: int | None 
 
 # ``fwd_config`` by everything it reads: building a config (a frozen dataclass with its checks)
 # costs ~25-35 us of host time, once per training step per attention call otherwise.
-_FWD_CONFIGS: dict[tuple, jit.KernelConfig] = {}
-_FWD_CONFIGS_MAX = 512
+_FWD_CONFIGS = HostMemo(512)
 
 
 def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, softcap: float,
@@ -175,9 +175,7 @@ def fwd_config(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, s
     if cfg is None:
         cfg = _build_fwd_config(q, v, causal=causal, local=local, softcap=softcap, varlen=varlen,
                                 target=target, config_cls=config_cls)
-        _FWD_CONFIGS[key] = cfg
-        if len(_FWD_CONFIGS) > _FWD_CONFIGS_MAX:
-            del _FWD_CONFIGS[next(iter(_FWD_CONFIGS))]
+        _FWD_CONFIGS.put(key, cfg)
     return cfg
 
 

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cute_flash.memo import HostMemo
+
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # The sm80 kernels move rows with 16-byte vector loads, and TMA (the sm90 forward) takes only
@@ -114,8 +116,7 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
 # scalars with their types: a training loop calls with the same metadata every step, and the
 # checks in Python cost ~40-60 us of host time per call (a backward at N = 2k runs in ~0.5 ms
 # on the GPU). A repeat runs only the checks that read data (alignment, cu_seqlens values).
-_META_PASSED: dict[tuple, None] = {}
-_META_PASSED_MAX = 1024
+_META_PASSED = HostMemo(1024)
 
 
 def _meta_key(kind: str, tensors: Sequence[object], scalars: Sequence[object]) -> tuple | None:
@@ -147,9 +148,7 @@ def _meta_passed(key: tuple | None) -> bool:
 def _remember(key: tuple | None) -> None:
     if key is None:
         return
-    _META_PASSED[key] = None
-    if len(_META_PASSED) > _META_PASSED_MAX:
-        del _META_PASSED[next(iter(_META_PASSED))]
+    _META_PASSED.put(key)
 
 
 def _as_float(x: object) -> float | None:

@@ -22,7 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import cute_flash
 from cute_flash.bwd_sm90 import run_bwd_sm90
-from cute_flash.fwd import run_fwd
 
 
 def calls_on_gpu(fn, iters: int) -> list[list[tuple[str, float, float]]]:
@@ -73,11 +72,7 @@ def main() -> None:
         for n in args.seqlen:
             for causal in map(bool, args.causal):
                 b, h = max(1, 16384 // n), 2048 // d
-                q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                out = torch.empty_like(do)
-                lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
-                run_fwd(q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1),
-                        softcap=0.0)
+                q, k, v, do, out, lse = tune_bwd_sm90.forward_problem(d, d, n, causal)
                 grads = [torch.empty_like(t) for t in (q, k, v)]
                 qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 o = cute_flash.flash_attn_func(qq, kk, vv, causal=causal)

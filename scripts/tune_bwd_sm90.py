@@ -42,6 +42,18 @@ def peer_bwd(name, q, k, v, do, causal, softcap: float = 0.0):
     return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
 
 
+def forward_problem(d: int, dv: int, n: int, causal: bool) -> tuple:
+    """(q, k, v, do, out, lse) of the standard grid's problem at head dims (d, dv) and N = n (B.N =
+    16k tokens, H.d = 2048, bf16, flash-attn layout), out and lse from our forward."""
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, n, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(do)
+    lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
+    run_fwd(q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0)
+    return q, k, v, do, out, lse
+
+
 def tflops_rotated(fns: dict, flops: float, rounds: int) -> str:
     """``name TFLOP/s`` of each closure: median of ``rounds`` passes, the order rotated each pass
     (the H200's clock drifts within seconds, so no provider always runs first)."""
@@ -69,13 +81,8 @@ def main() -> None:
         for n in args.seqlen:
             for causal in map(bool, args.causal):
                 b, h = max(1, 16384 // n), 2048 // d
-                q, k = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                v, do = (torch.randn(b, n, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                q, k, v, do, out, lse = forward_problem(d, dv, n, causal)
                 scale = d ** -0.5
-                out = torch.empty_like(do)
-                lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
-                run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1),
-                        softcap=0.0)
                 flops = 2.5 * 2 * b * h * n * n * (d + dv) / (2 if causal else 1)
                 tag = f"d{spec} N{n} causal={int(causal)}"
                 fns, ref = {}, None

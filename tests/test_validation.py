@@ -395,3 +395,13 @@ def test_cuda_path_validates_before_launching(fake_launchers):
     with pytest.raises(TypeError, match="lse must be float32"):
         ops._bwd_cuda(*args.values(), 0.1, False, (-1, -1), 0.0, False)
     assert fake_launchers == []
+
+
+def test_host_memo_drops_the_oldest_entry_past_its_size() -> None:
+    from cute_flash.memo import HostMemo
+
+    memo = HostMemo(2)
+    for i in range(3):
+        memo.put(i, str(i))
+    assert 0 not in memo and memo.get(1) == "1" and memo.get(2) == "2"
+    assert memo.get(0, "absent") == "absent"
