@@ -1,12 +1,7 @@
 """Kernel correctness on a CUDA GPU (every test here is marked ``gpu`` and skipped without one).
 
-The accuracy rule, per output (out, lse, dq, dk, dv):
-
-    max|ours - ref| <= 2 * max|same_dtype - ref| + floor
-
-where ``ref`` is ``attention_ref`` in fp32 and ``same_dtype`` is the same PyTorch code run in the
-inputs' dtype (``upcast=False``): the kernels may be at most twice as wrong as the obvious
-PyTorch implementation at the same precision, plus a rounding floor.
+Every output (out, lse, dq, dk, dv) is held to the accuracy rule of ``attention_checks``: at most
+twice the error of the same PyTorch math in the inputs' dtype, plus a rounding floor.
 
 Grid: the full product dtype x head dim x causal (the axes that select most code), then a fixed,
 balanced sample over windows, softcap, GQA ratio, sequence lengths (1 .. 4224, Nq != Nk), value
@@ -16,9 +11,10 @@ Compiling the kernel variants dominates the run time; inputs are fresh random nu
 (the seed is printed; ``CUTE_FLASH_SEED`` replays it).
 
 Forward kernel family: every test runs what the public API runs (``CUTE_FLASH_FWD_KERNEL``, default
-``auto``: the sm90 FA3 forward on Hopper, the sm80 FA2 one elsewhere; the backward is sm80 on every
-GPU). A few cases force the sm80 forward on Hopper so that it stays covered there, and one 128k-token
-causal problem checks that the forward's memory is O(N).
+``auto``: the sm90 FA3 forward on Hopper, the sm80 FA2 one elsewhere; the backward likewise, see
+``bwd.bwd_family``). A few cases force the sm80 kernels on Hopper so that they stay covered there,
+and one 128k-token causal problem checks that the forward's memory is O(N). Document packs
+(varlen) have their own module, ``test_gpu_document_packs``.
 """
 
 from __future__ import annotations
@@ -34,13 +30,26 @@ from cute_flash import jit
 from cute_flash.fwd import FWD_KERNEL_ENV, FwdConfig
 from cute_flash.reference import attention_ref, visible_mask
 
+from attention_checks import (
+    FLOOR_BWD,
+    FLOOR_FWD,
+    assert_lse_rule,
+    assert_rule,
+    check_against_rule,
+    cu_seqlens,
+    finite_lse,
+    fwd_bwd,
+    leaves,
+    make_tensor,
+    ours_fn,
+    ref_fn,
+)
+
 pytestmark = pytest.mark.gpu
 
 FP16, BF16 = torch.float16, torch.bfloat16
 DTYPES = (FP16, BF16)
 HDIMS = (32, 64, 96, 128, 160, 192, 256)
-FLOOR_FWD = 1e-5  # out, lse
-FLOOR_BWD = 1e-4  # dq, dk, dv
 NEG_INF = float("-inf")
 
 
@@ -90,86 +99,12 @@ class Case:
         return "-".join(parts)
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
-def make_tensor(shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> torch.Tensor:
-    """Random normal tensor of logical shape (B, N, H, d) or (T, H, d), laid out as asked."""
-    if layout == "bhnd" and len(shape) == 4:
-        b, n, h, d = shape
-        return torch.randn(b, h, n, d, dtype=dtype, device="cuda").transpose(1, 2)
-    if layout == "padded":
-        return torch.randn(*shape[:-1], shape[-1] + 8, dtype=dtype, device="cuda")[..., :shape[-1]]
-    return torch.randn(*shape, dtype=dtype, device="cuda")
-
-
 def make_qkv(c: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, hkv = c.heads
     return (make_tensor((c.batch, c.nq, h, c.hdim), c.dtype, c.layout),
             make_tensor((c.batch, c.nk, hkv, c.hdim), c.dtype, c.layout),
             make_tensor((c.batch, c.nk, hkv, c.dv), c.dtype, c.layout))
 
-
-def leaves(tensors, dtype=None):
-    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-
-
-def finite_lse(lse: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isneginf(lse), 0.0, lse.float())
-
-
-def assert_rule(name: str, ours: torch.Tensor, ref: torch.Tensor, same: torch.Tensor, floor: float,
-                seed: int, case: object) -> None:
-    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(ours).any(), f"{name}: NaN in ours [{case}] seed={seed}"
-    e_ours, e_same = max_err(ours, ref), max_err(same, ref)
-    assert e_ours <= 2 * e_same + floor, (f"{name}: max error {e_ours:.3e} > 2 x {e_same:.3e} (same-dtype "
-                                          f"PyTorch) + {floor:g} [{case}] seed={seed}")
-
-
-def assert_lse_rule(ours, ref, same, seed, case) -> None:
-    same_rows = torch.equal(torch.isneginf(ours), torch.isneginf(ref))
-    assert same_rows, f"lse: -inf rows differ [{case}] seed={seed}"
-    assert_rule("lse", finite_lse(ours), finite_lse(ref), finite_lse(same), FLOOR_FWD, seed, case)
-
-
-def fwd_bwd(fn, q, k, v, dout, **kw):
-    """out, lse and (dq, dk, dv) of ``fn`` for the loss <out, dout>."""
-    q, k, v = leaves((q, k, v))
-    out, lse = fn(q, k, v, **kw)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    return out.detach(), lse.detach(), grads
-
-
-def ours_fn(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
-    if cu_seqlens_q is None:
-        return cute_flash.flash_attn_func(q, k, v, return_lse=True, **kw)
-    return cute_flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             return_lse=True, **kw)
-
-
-def ref_fn(upcast: bool):
-    def fn(q, k, v, max_seqlen_q=None, max_seqlen_k=None, **kw):
-        return attention_ref(q, k, v, upcast=upcast, **kw)
-    return fn
-
-
-def check_against_rule(q, k, v, seed, case, **kw) -> None:
-    """Forward and backward of ours vs the fp32 reference, bounded by the same-dtype PyTorch."""
-    dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    out, lse, grads = fwd_bwd(ours_fn, q, k, v, dout, **kw)
-    r_out, r_lse, r_grads = fwd_bwd(ref_fn(True), *(t.float() for t in (q, k, v)), dout.float(), **kw)
-    s_out, s_lse, s_grads = fwd_bwd(ref_fn(False), q, k, v, dout, **kw)
-    assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, case)
-    assert_lse_rule(lse, r_lse, s_lse, seed, case)
-    for name, g, r, s in zip(("dq", "dk", "dv"), grads, r_grads, s_grads, strict=True):
-        assert g.dtype == q.dtype
-        assert_rule(name, g, r, s, FLOOR_BWD, seed, case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,10 +387,6 @@ def random_lengths(batch: int, max_len: int, rng: random.Random) -> list[int]:
     lens = [0, 1] + [rng.randint(0, max_len) for _ in range(batch - 2)]
     rng.shuffle(lens)
     return lens
-
-
-def cu_seqlens(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
 @pytest.mark.parametrize("case", [

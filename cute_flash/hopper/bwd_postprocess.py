@@ -66,6 +66,15 @@ class FlashBwdPostSm90:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mdQ.shape[0], mdQ.shape[0], mCuSeqlensQ, None)
+        # Varlen grids are sized by the longest sequence: a shorter one's padded scratch holds
+        # only its own tiles, so blocks past its end must not read (the last one's lie past the
+        # accumulator's end).
+        if m_block * self.tile_m < seqlen.seqlen_q:
+            self.convert_tile(mdQaccum, mdQ, seqlen, softmax_scale, tidx, m_block, head, batch)
+
+    @cute.jit
+    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, seqlen: SeqlenInfo,
+                     softmax_scale: Float32, tidx: Int32, m_block: Int32, head: Int32, batch: Int32):
         gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
