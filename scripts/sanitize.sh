@@ -45,7 +45,7 @@ for t in "${tools[@]}"; do for f in "${families[@]}"; do echo "$t $f"; done; don
       log=$logs/$t.$f.log
       verdict=$(grep -hoE '(ERROR|RACECHECK) SUMMARY: .*' "$log" | tail -n 1)
       checks=$(grep -cE "^\[$f\] .*: ok" "$log")
-      printf '%-10s %-26s %-44s %s/4 ok %s\n' "$t" "$f" "${verdict:-no summary}" "$checks" "$(tail -n 1 "$log")"
+      printf '%-10s %-26s %-44s %s/2 ok %s\n' "$t" "$f" "${verdict:-no summary}" "$checks" "$(tail -n 1 "$log")"
     done
   done
 } | tee "$OUT/sanitize_summary.txt"

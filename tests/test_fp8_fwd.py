@@ -581,6 +581,55 @@ def test_fp8_varlen_matches_the_reference_per_sequence(d: int, causal: bool, hkv
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("d,hkv,causal,window", [(128, 16, False, (-1, -1)), (128, 4, True, (-1, -1)),
+                                                 (64, 2, True, (-1, -1)), (256, 1, False, (-1, -1)),
+                                                 (128, 2, False, (256, 0)), (64, 4, False, (300, 100))])
+def test_fp8_random_document_pack_matches_the_reference(seed: int, d: int, hkv: int, causal: bool,
+                                                        window: tuple[int, int]) -> None:
+    """Random document packs (``attention_checks.random_pack``: 1-16 sequences of 0-4096 tokens,
+    the longest often not last; queries and keys of the same lengths, as in training) of 16 query
+    heads, through the public e4m3 path with per-(sequence, kv head) descales, ``max_seqlen``
+    sometimes above the longest sequence; against ``attention_fp8_varlen_ref``."""
+    import random
+
+    import torch
+
+    from cute_flash import flash_attn_varlen_func
+    from cute_flash.fp8_ref import attention_fp8_varlen_ref, quantize_qkv_varlen_ref
+
+    from attention_checks import cu_seqlens, random_pack
+
+    rng = random.Random(seed)
+    lens = random_pack(rng, max_total=16000)
+    slack = rng.choice((0, rng.randint(1, 300)))
+    cu = cu_seqlens(lens)
+    h = 16
+    q = torch.randn(sum(lens), h, d, device="cuda")
+    k, v = (torch.randn(sum(lens), hkv, d, device="cuda") for _ in range(2))
+    q8, k8, v8, qd, kd, vd = quantize_qkv_varlen_ref(q, k, v, cu, cu, rotate_qk=True, seed=3)
+    scale = 1.0 / math.sqrt(d)
+    mx = max(lens) + slack
+    out, lse = flash_attn_varlen_func(q8, k8, v8, cu, cu, mx, mx, softmax_scale=scale, causal=causal,
+                                      window_size=window, q_descale=qd, k_descale=kd, v_descale=vd,
+                                      return_lse=True)
+    cfg = FwdSm90Fp8Config(target="sm_90a", hdim=d, hdim_v=d, causal=causal, local=window != (-1, -1),
+                           varlen=True)
+    kw = dict(softmax_scale=scale, causal=causal, window_size=window)
+    ref, ref_lse = attention_fp8_varlen_ref(q8, k8, v8, cu, cu, qd, kd, vd, sum_quantized_p=cfg.sum_mma,
+                                            exp_bytes=cfg.exp_bytes, **kw)
+    label = f"lens={lens} slack={slack} seed={seed}"
+    assert not out.isnan().any(), label
+    if cfg.exp_bytes:
+        exact = attention_fp8_varlen_ref(q8, k8, v8, cu, cu, qd, kd, vd, quantize_p=False, **kw)[0]
+        _check_p_codes_error(out, ref, exact)
+    else:
+        err = (out.float() - ref).abs().max().item()
+        assert err < 0.05 * ref.abs().max().item(), (err, label)
+    _check_lse(lse, ref_lse, cfg.sum_mma)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 (Hopper) GPU")
 @pytest.mark.parametrize("d,nq,h,hkv,causal", [(128, 1, 32, 4, False), (64, 5, 16, 2, True),
                                                (256, 3, 8, 1, True)])
 def test_fp8_decode_with_packed_gqa_matches_the_reference(d: int, nq: int, h: int, hkv: int,
