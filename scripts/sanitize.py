@@ -2,10 +2,10 @@
 family under memcheck, racecheck and synccheck).
 
 Each family runs a dense problem (lengths that are not tile multiples, GQA 8 / 2, no mask) and a
-causal packed one whose last sequence is shorter than the longest (grids are sized by the longest sequence, so the
-CTAs past a short sequence's end are exercised), forward and, where the family has one, backward,
-through the public API. Outputs are checked loosely against the fp32 reference, so a race that
-the sanitizer's timing brings out shows up as a wrong answer too.
+causal packed one whose last sequence is shorter than the longest (grids are sized by the longest
+sequence, so the CTAs past a short sequence's end are exercised), forward and, where the family
+has one, backward, through the public API. Outputs are checked loosely against the fp32
+reference, so a race that the sanitizer's timing brings out shows up as a wrong answer too.
 
     python scripts/sanitize.py --list
     python scripts/sanitize.py --family sm90-d128 [--override prefetch_stats=0 ...]

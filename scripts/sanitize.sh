@@ -38,6 +38,20 @@ export logs SANITIZE_ARGS
 for t in "${tools[@]}"; do for f in "${families[@]}"; do echo "$t $f"; done; done \
   | xargs -P "${JOBS:-12}" -L 1 bash -c 'one "$0" "$1"'
 
+# racecheck's own blind spot, measured beside the kernels (scripts/racecheck_probe.py): a correct
+# async-copy hand-off (bulk, tma) and a correct thread hand-off through an mbarrier (sts).
+probes=""
+if [[ " ${tools[*]} " == *" racecheck "* ]]; then
+  for m in bulk tma sts; do
+    compute-sanitizer --tool racecheck python scripts/racecheck_probe.py "$m" > "$logs/probe.$m.log" 2>&1
+    probes+="$(printf '%-10s %-26s %s' racecheck "probe-$m" "$(grep -hoE 'RACECHECK SUMMARY: .*' "$logs/probe.$m.log") $(grep -ho 'probe .*' "$logs/probe.$m.log")")"$'\n'
+  done
+fi
+
+# A racecheck report is "known" when its write is the sm90 backward producer's LSE2 / D bulk copy
+# (hopper/bwd_load.py): the WAR over a Q / dO stage that the consumers hand back through the
+# stage's EMPTY mbarrier, an edge racecheck does not model (docs/design.md). Anything else is
+# listed as unexplained.
 {
   printf '%-10s %-26s %-44s %s\n' tool family sanitizer checks
   for t in "${tools[@]}"; do
@@ -45,8 +59,15 @@ for t in "${tools[@]}"; do for f in "${families[@]}"; do echo "$t $f"; done; don
       log=$logs/$t.$f.log
       verdict=$(grep -hoE '(ERROR|RACECHECK) SUMMARY: .*' "$log" | tail -n 1)
       checks=$(grep -cE "^\[$f\] .*: ok" "$log")
-      printf '%-10s %-26s %-44s %s/2 ok %s\n' "$t" "$f" "${verdict:-no summary}" "$checks" "$(tail -n 1 "$log")"
+      extra=""
+      if [ "$t" = racecheck ]; then
+        races=$(grep -c 'Race reported between' "$log")
+        known=$(grep 'Race reported between' "$log" | grep -c 'in bwd_load.py:')
+        [ "$races" -gt 0 ] && extra=" [$known of $races known, $((races - known)) unexplained]"
+      fi
+      printf '%-10s %-26s %-44s %s/2 ok %s%s\n' "$t" "$f" "${verdict:-no summary}" "$checks" "$(tail -n 1 "$log")" "$extra"
     done
   done
+  printf '%s' "$probes"
 } | tee "$OUT/sanitize_summary.txt"
 tar czf "$OUT/sanitize_logs.tar.gz" -C "$logs" .

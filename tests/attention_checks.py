@@ -74,7 +74,8 @@ def ours_fn(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, ma
 
 
 def ref_fn(upcast: bool):
-    def fn(q, k, v, max_seqlen_q=None, max_seqlen_k=None, **kw):
+    """``attention_ref`` with the kernels' call signature (the launch-only arguments dropped)."""
+    def fn(q, k, v, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, **kw):
         return attention_ref(q, k, v, upcast=upcast, **kw)
     return fn
 
