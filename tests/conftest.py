@@ -21,6 +21,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def exact_fp32_reference():
+    """TF32 would make the fp32 references of the GPU tests only ~10 bits accurate."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture
 def seed() -> int:
     """A new seed per test (``torch.seed()``), or ``CUTE_FLASH_SEED`` to replay a failure."""

@@ -53,15 +53,6 @@ HDIMS = (32, 64, 96, 128, 160, 192, 256)
 NEG_INF = float("-inf")
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32_reference():
-    """TF32 would make the fp32 reference itself only ~10 bits accurate."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @dataclass(frozen=True)
 class Case:
     dtype: torch.dtype = BF16
