@@ -49,6 +49,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales) and returns
     their dtype. Hopper kernels on sm90 tensors, the reference (``fp8_ref``) on CPU tensors.
     """
+    flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
+    validate.check_call({"q": q, "k": k, "v": v}, flags)
     if fp8 or q.dtype == fp8_ops.FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
@@ -71,6 +73,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     unchanged, outliers are spread), e4m3 with saturation and per-(batch, kv head) scales,
     descales fp32 (B, H_kv); v8 is (B, N, H_kv, d) over token-contiguous storage. Inputs bf16 /
     fp16 (B, N, H, d) / (B, N, H_kv, d), d in 64 / 128 / 256."""
+    validate.check_call({"q": q, "k": k, "v": v}, {"rotate": rotate})
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError("quantize_qkv: q, k, v must all be bf16 or all fp16")
     fp8_ops.check_heads(q, k, v)
@@ -96,6 +99,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
     sequences. ``fp8=True`` quantizes with one scale per sequence and kv head.
     """
+    flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    validate.check_call(tensors, flags)
     if fp8 or q.dtype == fp8_ops.FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
@@ -123,6 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     ``is_causal`` is aligned top-left when Nq != Nk (query i sees keys 0..i), unlike
     ``flash_attn_func``'s bottom-right causal. Returns (B, H, Nq, dv).
     """
+    validate.check_call({"q": q, "k": k, "v": v}, {"is_causal": is_causal, "enable_gqa": enable_gqa})
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")

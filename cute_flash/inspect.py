@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cute_flash import jit
+from cute_flash.validate import SUPPORTED_HEAD_DIMS
 
 KERNELS = ("fwd", "bwd")
 DTYPES = ("bf16", "fp16", "e4m3")
@@ -830,8 +831,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--arch", choices=jit.ARCHS, default="sm_80")
     p.add_argument("--kernel", choices=KERNELS, default="fwd")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--hdim", type=int, default=128)
-    p.add_argument("--hdim-v", type=int, default=None, help="head dim of V (default: --hdim)")
+    p.add_argument("--hdim", type=int, default=128, choices=SUPPORTED_HEAD_DIMS, metavar="D",
+                   help=f"head dim, one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))} (default: 128)")
+    p.add_argument("--hdim-v", type=int, default=None, choices=SUPPORTED_HEAD_DIMS, metavar="DV",
+                   help="head dim of V (default: --hdim)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--local", action="store_true", help="sliding-window variant")
     p.add_argument("--softcap", action="store_true")

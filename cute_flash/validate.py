@@ -182,6 +182,20 @@ def check_scalars(*, softmax_scale: float, window_size: Sequence[int], softcap: 
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
 
 
+def check_call(tensors: dict[str, object], flags: dict[str, object]) -> None:
+    """What the public functions check before anything else (the default scale divides by the
+    head dim): tensors are tensors with a non-empty last dim, and the switches are bools."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if name in ("q", "k", "v") and (t.dim() == 0 or t.shape[-1] == 0):
+            raise ValueError(f"{name} needs a head dim (its last dim) in {SUPPORTED_HEAD_DIMS}, got shape "
+                             f"{tuple(t.shape)}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
 def _check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool) -> None:
     rank = 3 if varlen else 4
     layout = "(total, H, d)" if varlen else "(B, N, H, d)"

@@ -386,3 +386,13 @@ def test_bwd_several_kernels() -> None:
     assert rep["spill_bytes"] == sum(k["spill_bytes"] for k in ks)
     assert rep["ptx"]["mma.sync"] > 0 and rep["ptx"]["wgmma.mma_async"] == 0
     assert rep["compile_s"] > 0
+
+
+def test_cli_rejects_an_unsupported_head_dim_with_the_supported_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from cute_flash.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", "--arch", "sm_90a", "--hdim", "100"])
+    assert exc.value.code == 2
+    assert "invalid choice: 100 (choose from 32, 64, 96, 128, 160, 192, 256)" in capsys.readouterr().err

@@ -405,3 +405,44 @@ def test_host_memo_drops_the_oldest_entry_past_its_size() -> None:
         memo.put(i, str(i))
     assert 0 not in memo and memo.get(1) == "1" and memo.get(2) == "2"
     assert memo.get(0, "absent") == "absent"
+
+
+# ---------------------------------------------------------------------------------------------
+# The public functions check their arguments before computing anything from them
+# ---------------------------------------------------------------------------------------------
+def test_public_functions_reject_an_empty_head_dim_before_computing_the_scale():
+    z = torch.randn(1, 8, 2, 0, dtype=BF16)
+    with pytest.raises(ValueError, match=r"q needs a head dim .* got shape \(1, 8, 2, 0\)"):
+        cute_flash.flash_attn_func(z, z, z)
+    q, k, v, cu_q, cu_k = varlen()
+    with pytest.raises(ValueError, match="k needs a head dim"):
+        cute_flash.flash_attn_varlen_func(q, k[..., :0], v, cu_q, cu_k, 5, 4)
+    with pytest.raises(ValueError, match="needs a head dim"):
+        cute_flash.attention(*(torch.randn(1, 2, 8, 0, dtype=BF16),) * 3)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=None), dict(return_lse="yes"), dict(deterministic=1),
+                                dict(fp8="no")])
+def test_public_functions_reject_switches_that_are_not_bools(kw):
+    q, k, v = qkv()
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        cute_flash.flash_attn_func(q, k, v, **kw)
+    qp, kp, vp, cu_q, cu_k = varlen()
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        cute_flash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 5, 4, **kw)
+
+
+def test_public_functions_reject_lists_and_arrays_with_a_short_message():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"^q must be a torch.Tensor, got list$"):
+        cute_flash.flash_attn_func(q.tolist(), k, v)
+    with pytest.raises(TypeError, match=r"^v must be a torch.Tensor, got ndarray$"):
+        cute_flash.flash_attn_func(q, k, v.float().numpy())
+    with pytest.raises(TypeError, match=r"^k must be a torch.Tensor, got list$"):
+        cute_flash.attention(q, k.tolist(), v)
+    qp, kp, vp, cu_q, cu_k = varlen()
+    with pytest.raises(TypeError, match=r"^cu_seqlens_k must be a torch.Tensor, got list$"):
+        cute_flash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k.tolist(), 5, 4)
+    with pytest.raises(TypeError, match=r"^rotate must be a bool"):
+        cute_flash.quantize_qkv(q, k, v, rotate=None)
