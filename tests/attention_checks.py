@@ -115,3 +115,14 @@ def random_pack(rng: random.Random, *, max_seqs: int = 16, max_len: int = 4096, 
         lens.append(rng.randint(1, tile - 1))
     rng.shuffle(lens)
     return lens
+
+
+def balanced_sample(axes: dict[str, tuple], n: int, rng: random.Random) -> list[dict]:
+    """n rows over the axes: each axis' values repeated to length n and shuffled on their own, so
+    every value appears ~n / len times in varied company (a fixed sample for a fixed ``rng``)."""
+    columns = {}
+    for name, values in axes.items():
+        col = [values[i % len(values)] for i in range(n)]
+        rng.shuffle(col)
+        columns[name] = col
+    return [{name: col[i] for name, col in columns.items()} for i in range(n)]

@@ -35,6 +35,7 @@ from attention_checks import (
     FLOOR_FWD,
     assert_lse_rule,
     assert_rule,
+    balanced_sample,
     check_against_rule,
     cu_seqlens,
     finite_lse,
@@ -131,14 +132,8 @@ def sampled_cases(n: int = 30, seed: int = 2024) -> list[Case]:
                   (4224, 4224), (128, 4224), (4224, 17)),
         "layout": ("bnhd", "bhnd", "padded"),
     }
-    columns = {}
-    for name, values in axes.items():
-        col = [values[i % len(values)] for i in range(n)]
-        rng.shuffle(col)
-        columns[name] = col
     cases = []
-    for i in range(n):
-        row = {name: col[i] for name, col in columns.items()}
+    for row in balanced_sample(axes, n, rng):
         nq, nk = row.pop("shape")
         cases.append(Case(nq=nq, nk=nk, **row))
     return cases

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attention_checks import check_against_rule, cu_seqlens, make_tensor, random_pack
+from attention_checks import balanced_sample, check_against_rule, cu_seqlens, make_tensor, random_pack
 
 pytestmark = pytest.mark.gpu
 
@@ -57,14 +57,8 @@ def pack_cases(n: int = 16, seed: int = 29) -> list[PackCase]:
         "dtype": (BF16, FP16, BF16),
         "deterministic": (False, False, False, True),
     }
-    columns = {}
-    for name, values in axes.items():
-        col = [values[i % len(values)] for i in range(n)]
-        rng.shuffle(col)
-        columns[name] = col
     cases = []
-    for i in range(n):
-        row = {name: col[i] for name, col in columns.items()}
+    for row in balanced_sample(axes, n, rng):
         causal, window = row.pop("mask")
         cases.append(PackCase(causal=causal, window=window, **row))
     return cases
