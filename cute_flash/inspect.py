@@ -143,10 +143,13 @@ def _fp8_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
     from cute_flash.fwd_fp8 import FwdSm90Fp8Config
     from cute_flash.quant import quant_configs
 
+    # Packed sequences: V written per sequence from a 16-aligned start, in natural token order.
+    vl = variant.varlen
     quant = [replace(c, target=variant.arch)
-             for c in quant_configs("bf16", variant.hdim, rotate=True, v_perm=True)]
+             for c in quant_configs("bf16", variant.hdim, rotate=True, v_perm=not vl, varlen=vl,
+                                    v_aligned=vl)]
     return [*quant, FwdSm90Fp8Config(target=variant.arch, dtype="bf16", hdim=variant.hdim, hdim_v=variant.dv,
-                                     causal=variant.causal, local=variant.local, v_perm=True)]
+                                     causal=variant.causal, local=variant.local, v_perm=not vl, varlen=vl)]
 
 
 def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
@@ -349,6 +352,8 @@ _SASS_ALIASES = {"REDG": "RED", "ATOMG": "ATOM"}
 _SASS_INSN = re.compile(
     r"^\s*/\*[0-9a-fA-F]{4,}\*/\s+(?:@!?U?P(?:T|\d+)\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
 _SASS_FUNC = (re.compile(r"^\s*Function\s*:\s*(\S+)"), re.compile(r"^\.text\.(\S+):\s*$"))
+_SASS_FULL_INSN = re.compile(r"^\s*/\*[0-9a-fA-F]{4,}\*/\s+([^;]*;)")
+_SASS_LABEL = re.compile(r"^\.L_x_\d+:\s*$")
 
 
 def tools_dir() -> str | None:
@@ -404,6 +409,31 @@ def sass_opcodes(sass: str) -> dict[str, list[str]]:
             if m and current is not None:
                 current.append(m.group(1))
     return funcs
+
+
+def sass_digests(sass: str) -> list[str]:
+    """SHA-256 of each function's instruction stream (opcodes, operands and branch labels, without
+    addresses, encodings or symbol names), sorted: equal lists mean the same machine code whatever
+    the kernels' module paths or mangled names."""
+    import hashlib
+
+    digests, current = [], None
+    for line in sass.splitlines():
+        if any(pat.match(line) for pat in _SASS_FUNC):
+            if current is not None:
+                digests.append(current.hexdigest())
+            current = hashlib.sha256()
+            continue
+        if current is None:
+            continue
+        m = _SASS_FULL_INSN.match(line)
+        if m:
+            current.update(m.group(1).encode() + b"\n")
+        elif _SASS_LABEL.match(line):
+            current.update(line.strip().encode() + b"\n")
+    if current is not None:
+        digests.append(current.hexdigest())
+    return sorted(digests)
 
 
 def count_sass(opcodes: Iterable[str]) -> tuple[dict[str, int], dict[str, int]]:
