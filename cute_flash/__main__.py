@@ -45,7 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
 # No GPU: compile and show the instruction mix
 # ---------------------------------------------------------------------------------------------
 def _compile_main(args: argparse.Namespace) -> int:
-    from cute_flash import inspect as ins
+    from cute_flash.tools import inspect as ins
 
     archs = args.arch or ["sm_80", "sm_90a"]
     kernels = ["fwd"] if args.no_bwd else ["fwd", "bwd"]
@@ -214,19 +214,18 @@ def _gpu_main(args: argparse.Namespace) -> int:
         return 2
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    try:
-        from cute_flash.fwd import fwd_family
+    from cute_flash import dispatch, jit
 
-        family = fwd_family(None, args.hdim, args.hdim).kernel_name
-    except Exception as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
-        family = f"? ({type(e).__name__}: {e})"
-    choice = os.environ.get("CUTE_FLASH_FWD_KERNEL", "auto")
+    arch = jit.resolve_arch()
     try:
-        from cute_flash.bwd import bwd_family
-
-        bfamily = bwd_family(torch.device("cuda"), args.hdim, args.hdim, 0.0)
-    except Exception as e:  # e.g. CUTE_FLASH_BWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
-        bfamily = f"? ({type(e).__name__}: {e})"
+        family = dispatch.fwd_family(arch, args.hdim, args.hdim)
+    except ValueError as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
+        family = f"? ({e})"
+    choice = os.environ.get(dispatch.FWD_KERNEL_ENV, "auto")
+    try:
+        bfamily = dispatch.bwd_family(arch, args.hdim, args.hdim, False)
+    except ValueError as e:
+        bfamily = f"? ({e})"
     bchoice = os.environ.get("CUTE_FLASH_BWD_KERNEL", "auto")
     print(f"kernels: forward {family} (CUTE_FLASH_FWD_KERNEL={choice}), backward {bfamily} "
           f"(CUTE_FLASH_BWD_KERNEL={bchoice})")
@@ -260,7 +259,7 @@ def _gpu_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "inspect":
-        from cute_flash import inspect as ins
+        from cute_flash.tools import inspect as ins
 
         p = argparse.ArgumentParser(prog="python -m cute_flash inspect",
                                     description="Compile one kernel variant without a GPU and report its "

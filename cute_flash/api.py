@@ -3,26 +3,20 @@ custom ops) and traceable by ``torch.compile(fullgraph=True)``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from cute_flash import fp8_ops, validate
 from cute_flash import ops as _ops  # noqa: F401  (registers torch.ops.cute_flash.*)
-
-
-def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    return softmax_scale
+from cute_flash import ops_fp8, validate
+from cute_flash.formats import FP8
 
 
 def _op_args(q: torch.Tensor, softmax_scale: float | None, window_size: Sequence[int],
              softcap: float) -> tuple[float, int, int, float]:
     """Scalars checked here, before anything is traced or launched, and normalised to the
     op schema's types."""
-    scale = _resolve_scale(softmax_scale, q.shape[-1])
+    scale = ops_fp8.default_scale(softmax_scale, q.shape[-1])
     validate.check_scalars(softmax_scale=scale, window_size=window_size, softcap=softcap)
     return float(scale), int(window_size[0]), int(window_size[1]), float(softcap)
 
@@ -47,15 +41,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
     omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
     (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales) and returns
-    their dtype. Hopper kernels on sm90 tensors, the reference (``fp8_ref``) on CPU tensors.
+    their dtype. Hopper kernels on sm90 tensors, the reference (``reference_fp8``) on CPU tensors.
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     validate.check_call({"q": q, "k": k, "v": v}, flags)
-    if fp8 or q.dtype == fp8_ops.FP8:
+    if fp8 or q.dtype == FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
-        out, lse = fp8_ops.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+        out, lse = ops_fp8.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size,
                                          descales=(q_descale, k_descale, v_descale), quantize=fp8)
         return (out, lse) if return_lse else out
@@ -76,7 +70,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool
     validate.check_call({"q": q, "k": k, "v": v}, {"rotate": rotate})
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError("quantize_qkv: q, k, v must all be bf16 or all fp16")
-    fp8_ops.check_heads(q, k, v)
+    validate.check_fp8_heads(q, k, v)
     return tuple(torch.ops.cute_flash.quantize_qkv(q, k, v, bool(rotate), int(seed)))
 
 
@@ -102,11 +96,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     validate.check_call(tensors, flags)
-    if fp8 or q.dtype == fp8_ops.FP8:
+    if fp8 or q.dtype == FP8:
         if softcap != 0.0:
             raise ValueError("FP8 attention has no softcap")
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
-        out, lse = fp8_ops.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        out, lse = ops_fp8.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                                 window_size=window_size,
                                                 descales=(q_descale, k_descale, v_descale), quantize=fp8)
@@ -120,16 +114,23 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return (out, lse) if return_lse else out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-              scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` semantics on (B, H, N, d) tensors
-    (no mask tensor, no dropout).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on (B, H, N, d)
+    tensors, so it drops in at SDPA call sites. An ``attn_mask`` tensor or ``dropout_p`` > 0 raise
+    ``ValueError`` (use ``is_causal`` / ``flash_attn_func``'s ``window_size`` for masks).
 
     The inputs are passed to the kernel as transposed views, without copies. As in SDPA,
     ``is_causal`` is aligned top-left when Nq != Nk (query i sees keys 0..i), unlike
     ``flash_attn_func``'s bottom-right causal. Returns (B, H, Nq, dv).
     """
     validate.check_call({"q": q, "k": k, "v": v}, {"is_causal": is_causal, "enable_gqa": enable_gqa})
+    if attn_mask is not None:
+        raise ValueError("attention: attn_mask tensors are not supported; use is_causal, or "
+                         "flash_attn_func's window_size for sliding windows")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+        raise ValueError(f"attention: dropout is not supported (dropout_p must be 0.0, got {dropout_p!r})")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(t.shape)}")

@@ -3,9 +3,9 @@
 Ops: ``fwd``, ``bwd``, ``varlen_fwd``, ``varlen_bwd``. Each has
 
 * a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it;
-* a CUDA implementation that validates, allocates its outputs and calls the kernel launchers
-  (``cute_flash.fwd.run_fwd`` / ``cute_flash.bwd.run_bwd``, imported lazily so importing
-  cute_flash does not import the DSL);
+* a CUDA implementation that validates, allocates its outputs and calls the launchers
+  (``launch.run_fwd`` / ``launch.run_bwd``, imported lazily so importing cute_flash does not
+  import the DSL);
 * a CPU implementation computed with ``cute_flash.reference`` (fp32 math, cast back), so
   ``torch.library.opcheck`` and compile tests run for real on a machine without a GPU.
 
@@ -86,12 +86,12 @@ def _fwd_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, windo
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    from cute_flash.fwd import run_fwd
+    from cute_flash import launch
 
     with torch.cuda.device(q.device):
-        run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
-                causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=max_q)
+        launch.run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
+                       causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
+                       cu_seqlens_k=cu_k, max_seqlen_q=max_q)
     return out, lse
 
 
@@ -174,14 +174,14 @@ def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv
-    from cute_flash.bwd import run_bwd
+    from cute_flash import launch
 
     kv = _kernel_view
     with torch.cuda.device(q.device):
-        run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv), softmax_scale=scale,
-                causal=causal, window_size=window, softcap=softcap, deterministic=deterministic,
-                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                dlse=None if dlse is None else dlse.contiguous())
+        launch.run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv),
+                       softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                       deterministic=deterministic, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                       max_seqlen_k=max_k, dlse=None if dlse is None else dlse.contiguous())
     return dq, dk, dv
 
 

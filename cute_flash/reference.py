@@ -31,7 +31,7 @@ LOG2E = math.log2(math.e)
 # ---------------------------------------------------------------------------------------------
 def window_bounds(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     """(left, right) with -1 meaning unbounded; causal forces right = 0, as
-    ``cute_flash.fwd.normalize_window`` does for the kernels."""
+    ``launch.normalize_window`` does for the kernels."""
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cute_flash.formats import FP8, FP8_HDIMS
 from cute_flash.memo import HostMemo
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
@@ -399,3 +400,157 @@ def _check_bwd_tensors(dout, q, v, out, lse, cu_seqlens_q, dlse, check_data: boo
             raise TypeError(f"dlse must be float32, got {_fmt_dtype(dlse.dtype)}")
         if tuple(dlse.shape) != lse_shape:
             raise ValueError(f"dlse must have lse's shape {lse_shape}, got {tuple(dlse.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (e4m3) forward and its quantize kernels
+# ---------------------------------------------------------------------------------------------
+def check_fp8_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Dense (B, N, H, d) q and (B, N_k, H_kv, d) k, v as the FP8 kernels take them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, N, H, d), got shape {tuple(t.shape)}")
+    b, _, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be (B, N_k, H_kv, d) with q's B and d: {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if d not in FP8_HDIMS:
+        raise ValueError(f"FP8 attention: head dim {d} not supported {FP8_HDIMS}")
+    if k.shape[2] == 0 or h % k.shape[2]:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({k.shape[2]})")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+
+
+def check_fp8_heads_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Packed q (T_q, H, d), k / v (T_k, H_kv, d): the shape rules of ``check_fp8_heads``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed (T, H, d), got shape {tuple(t.shape)}")
+    check_fp8_heads(q[None], k[None], v[None])
+
+
+def _check_e4m3(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor) -> None:
+    for name, t in (("q", q8), ("k", k8), ("v", v8)):
+        if t.dtype != FP8:
+            raise TypeError(f"FP8 attention: {name} must be torch.float8_e4m3fn, got {t.dtype}")
+        if t.requires_grad:
+            raise ValueError("FP8 attention is forward-only: the e4m3 inputs must not require grad")
+
+
+def _check_descales(descales: Sequence[torch.Tensor], shape: tuple[int, int], rows: str, device) -> None:
+    for name, t in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device:
+            raise ValueError(f"{name} must be float32 of shape ({rows}, H_kv) = {shape} on {device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_fp8_inputs(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                     descales: Sequence[torch.Tensor]) -> None:
+    """e4m3 q, k, v with their (B, H_kv) fp32 descales."""
+    _check_e4m3(q8, k8, v8)
+    check_fp8_heads(q8, k8, v8)
+    _check_descales(descales, (q8.shape[0], k8.shape[2]), "B", q8.device)
+
+
+def check_fp8_varlen_inputs(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, cu_q: torch.Tensor,
+                            cu_k: torch.Tensor, max_q: int, max_k: int,
+                            descales: Sequence[torch.Tensor]) -> None:
+    """Packed e4m3 inputs: everything but the cu_seqlens values (``check_cu_seqlens`` with data,
+    in the op's real implementations): also runs while tracing."""
+    _check_e4m3(q8, k8, v8)
+    check_fp8_heads_varlen(q8, k8, v8)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.device != q8.device:
+            raise ValueError(f"{name} must be a tensor on {q8.device}")
+    check_cu_seqlens(cu_q, cu_k, q8.shape[0], k8.shape[0], max_q, max_k, check_data=False)
+    _check_descales(descales, (cu_q.shape[0] - 1, k8.shape[1]), "num_seqs", q8.device)
+
+
+def check_fp8_quantize_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               descales: Sequence[torch.Tensor | None]) -> None:
+    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout)."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError("q, k, v must share a dtype")
+    if any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("fp8=True is forward-only: the inputs must not require grad")
+    if any(x is not None for x in descales):
+        raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
+
+
+def _check_quantize_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, shape: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name}: bf16 or fp16 input expected, got {t.dtype}")
+        if t.dim() != rank or not t.is_cuda:
+            raise ValueError(f"{name}: a {shape} CUDA tensor expected, got {tuple(t.shape)} on "
+                             f"{t.device}")
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: the head dim must be contiguous and rows 16-byte aligned")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise TypeError("q, k, v must share a dtype")
+
+
+def check_quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool,
+                          cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                          max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> int:
+    """The quantize kernels' inputs (CUDA, 16-byte rows); packed: everything but the cu_seqlens
+    values (reading them is a host sync, the op checks them). Returns the number of sequences."""
+    if not varlen:
+        _check_quantize_tensors(q, k, v, 4, "(B, N, H, d)")
+        check_fp8_heads(q, k, v)
+        return q.shape[0]
+    _check_quantize_tensors(q, k, v, 3, "packed (T, H, d)")
+    check_fp8_heads_varlen(q, k, v)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                     check_data=False)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs > 65535:
+        raise ValueError(f"quantize: at most 65535 sequences (the grid's z extent), got {num_seqs}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+    return num_seqs
+
+
+def check_relayout_v(v8: torch.Tensor, *, varlen: bool) -> None:
+    """A caller's e4m3 V for the re-layout kernel: (B, N, H_kv, d) or packed (T, H_kv, d), CUDA."""
+    name, rank, shape = (("relayout_v_varlen", 3, "(T, H_kv, d)") if varlen
+                         else ("relayout_v", 4, "(B, N, H_kv, d)"))
+    if v8.dtype != FP8 or v8.dim() != rank or not v8.is_cuda:
+        raise ValueError(f"{name}: a {shape} e4m3 CUDA tensor expected, got {v8.dtype} "
+                         f"{tuple(v8.shape)} on {v8.device}")
+    if v8.shape[-1] not in FP8_HDIMS:
+        raise ValueError(f"{name}: head dim {v8.shape[-1]} not in {FP8_HDIMS}")
+
+
+def check_fp8_kernel_v(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, *, v_perm: bool, varlen: bool,
+                       cu_seqlens_k: torch.Tensor | None, cu_seqlens_v: torch.Tensor | None) -> torch.Tensor:
+    """The FP8 attention kernel's V layout; returns the view the kernel reads (``v_perm``: the
+    (B, N_pad, H_kv, d) permutation of quantize's (B, H_kv, d, N_pad) storage)."""
+    if q8.dtype != FP8 or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
+        raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
+    if varlen and (cu_seqlens_v is None or cu_seqlens_v.shape != cu_seqlens_k.shape):
+        raise ValueError("FP8 forward: varlen needs V's own 16-aligned offsets (formats.v_varlen_aligned)")
+    if v_perm:
+        b, nk, hkv, d = k8.shape
+        if varlen or tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
+            raise ValueError("FP8 forward: v_perm expects the contiguous (B, H_kv, d, N_pad) storage "
+                             "quantize_qkv(..., v_perm=True) returns (dense inputs only)")
+        # The kernel reads (B, N_pad, H_kv, d) over it: every stored position, since a token below
+        # N may sit past N in the kernel order (its P is zero where the token is past N).
+        return v8.permute(0, 3, 1, 2)
+    if v8.stride(-3) != 1 or any(st % 16 for st in v8.stride()[:-3] + v8.stride()[-2:]):
+        # TMA: the token dim contiguous, every other stride a multiple of 16 bytes.
+        raise ValueError("FP8 forward: v must be token-contiguous with 16-byte aligned strides (as "
+                         "quantize_qkv writes it)")
+    return v8

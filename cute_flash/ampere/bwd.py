@@ -51,14 +51,12 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from cute_flash.kernels import bwd_math
-from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.layout import acc_to_mn, transpose_smem
-from cute_flash.kernels.mask import AttentionMask
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import score_scales
-
-from . import common
+from cute_flash.device import scratch, warp_mma
+from cute_flash.device.block_info import BlockInfo
+from cute_flash.device.layout import acc_to_mn, transpose_smem
+from cute_flash.device.mask import AttentionMask
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.softmax import score_scales
 
 
 def make_tiled_mmas(dtype, tiles):
@@ -67,7 +65,7 @@ def make_tiled_mmas(dtype, tiles):
     warps = tiles.num_threads // 32
 
     def mma(rows_atoms: int):
-        return common.warp_tiled_mma(dtype, warps, atom_layout=(rows_atoms, warps // rows_atoms, 1))
+        return warp_mma.warp_tiled_mma(dtype, warps, atom_layout=(rows_atoms, warps // rows_atoms, 1))
 
     return mma(tiles.atom_sdp), mma(tiles.atom_dkv), mma(tiles.atom_dq)
 
@@ -103,11 +101,11 @@ class FlashBwdSm80:
     def _layouts(self):
         d, dv, tm, tn = self.hdim, self.hdim_v, self.tile_m, self.tile_n
         return dict(
-            sQ=common.smem_tile(self.dtype, tm, d, self.stages),
-            sdO=common.smem_tile(self.dtype, tm, dv, self.stages),
-            sK=common.smem_tile(self.dtype, tn, d),
-            sV=common.smem_tile(self.dtype, tn, dv),
-            sP=common.smem_tile(self.dtype, tm, tn),
+            sQ=warp_mma.smem_tile(self.dtype, tm, d, self.stages),
+            sdO=warp_mma.smem_tile(self.dtype, tm, dv, self.stages),
+            sK=warp_mma.smem_tile(self.dtype, tn, d),
+            sV=warp_mma.smem_tile(self.dtype, tn, dv),
+            sP=warp_mma.smem_tile(self.dtype, tm, tn),
             sLSE=cute.make_layout((tm, self.stages)),
             sD=cute.make_layout((tm, self.stages)),
         )
@@ -138,10 +136,10 @@ class FlashBwdSm80:
                  mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
         Storage = self._storage()
-        mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
+        mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
         if cutlass.const_expr(mSemaphore is not None):
-            mSemaphore = common.lse_to_seq_head(mSemaphore)
+            mSemaphore = warp_mma.lse_to_seq_head(mSemaphore)
         if cutlass.const_expr(self.varlen):
             num_batch = mCuSeqlensK.shape[0] - 1
             seqlen_k = max_seqlen_k
@@ -217,12 +215,12 @@ class FlashBwdSm80:
         # into a query block before us (the ranges of consecutive K/V blocks overlap in one
         # interval because both bounds are non-decreasing in n).
         prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block - 1)
-        bounds = bwd_math.BwdMaskBounds(self.tile_m, self.tile_n, self.is_causal, self.is_local,
+        bounds = scratch.BwdMaskBounds(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                         window_left, window_right)
         right_end = bounds.right_mask_end(seqlen, n_block, m_block_min)
         left_start = bounds.left_mask_start(seqlen, n_block, m_block_max)
 
-        return common.Ctx(
+        return warp_mma.Ctx(
             seqlen=seqlen, tidx=tidx, n_block=n_block, head_kv=head_kv, batch=batch,
             mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, mdQaccum=mdQaccum, mSemaphore=mSemaphore,
             sQ=sQ, sdO=sdO, sK=sK, sV=sV, sP=sP, sdS=sdS, sLSE=sLSE, sD=sD,
@@ -266,12 +264,12 @@ class FlashBwdSm80:
         seqlen = ctx.seqlen
         rows_left = seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, sT, d in ((ctx.mK, ctx.sK, self.hdim), (ctx.mV, ctx.sV, self.hdim_v)):
-            copy = common.g2s_tiled_copy(self.dtype, d, self.num_threads)
+            copy = warp_mma.g2s_tiled_copy(self.dtype, d, self.num_threads)
             thr = copy.get_slice(ctx.tidx)
             gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d),
                                  (ctx.n_block, 0))
             tc = thr.partition_S(cute.make_identity_tensor((self.tile_n, d)))
-            common.load_block(copy, thr.partition_S(gT), thr.partition_D(sT), tc, rows_left,
+            warp_mma.load_block(copy, thr.partition_S(gT), thr.partition_D(sT), tc, rows_left,
                               partial=True, zero_fill=True)
 
     @cute.jit
@@ -280,17 +278,17 @@ class FlashBwdSm80:
         sequence end are zero-filled (their stale/uninitialised smem could hold NaN, and 0 * NaN
         would leak into dV/dK); the fp32 row vector is a full tile (padded scratch)."""
         seqlen = ctx.seqlen
-        copy = common.g2s_tiled_copy(self.dtype, d, self.num_threads)
+        copy = warp_mma.g2s_tiled_copy(self.dtype, d, self.num_threads)
         thr = copy.get_slice(ctx.tidx)
         gT = cute.local_tile(seqlen.q_rows(mT, head, ctx.batch), (self.tile_m, d), (m_block, 0))
         tc = thr.partition_S(cute.make_identity_tensor((self.tile_m, d)))
-        common.load_block(copy, thr.partition_S(gT), thr.partition_D(sT[None, None, slot]), tc,
+        warp_mma.load_block(copy, thr.partition_S(gT), thr.partition_D(sT[None, None, slot]), tc,
                           seqlen.seqlen_q - m_block * self.tile_m, partial=True, zero_fill=True)
         vec_threads = self.tile_m // 4
         if ctx.tidx < vec_threads:
-            vcopy = bwd_math.tiled_copy_1d(Float32, vec_threads, 4, async_copy=True)
+            vcopy = scratch.tiled_copy_1d(Float32, vec_threads, 4, async_copy=True)
             vthr = vcopy.get_slice(ctx.tidx)
-            gv = cute.local_tile(bwd_math.scratch_rows(mVec, seqlen, head, ctx.batch, self.tile_m),
+            gv = cute.local_tile(scratch.scratch_rows(mVec, seqlen, head, ctx.batch, self.tile_m),
                                  (self.tile_m,), (m_block,))
             cute.copy(vcopy, vthr.partition_S(gv), vthr.partition_D(sVec[None, slot]))
 
@@ -357,14 +355,14 @@ class FlashBwdSm80:
         acc_shape = ctx.thr_sdp.partition_shape_C((self.tile_m, self.tile_n))
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_S.fill(0.0)
-        common.gemm_ss(ctx.mma_sdp, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ[None, None, None, slot], ctx.tSsK,
+        warp_mma.gemm_ss(ctx.mma_sdp, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ[None, None, None, slot], ctx.tSsK,
                        ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         dtanh = self.scores_to_probs(ctx, acc_S, m_block, slot, need_mask)
 
         # ---- dP = dO V^T, dS = P (dP - D) ----
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP.fill(0.0)
-        common.gemm_ss(ctx.mma_sdp, acc_dP, ctx.tdPrdO, ctx.tdPrV, ctx.tdPsdO[None, None, None, slot],
+        warp_mma.gemm_ss(ctx.mma_sdp, acc_dP, ctx.tdPrdO, ctx.tdPrV, ctx.tdPsdO[None, None, None, slot],
                        ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         self.probs_to_dS(ctx, acc_S, acc_dP, dtanh, slot)
 
@@ -385,21 +383,21 @@ class FlashBwdSm80:
                 self.load_Q(ctx, h1, m1, 1 - slot)
                 self.load_dO(ctx, h1, m1, 1 - slot)
             cute.arch.cp_async_commit_group()
-            common.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
+            warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
                            ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             self.dQ_step(ctx, head, m_block)
-            common.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
+            warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
                            ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
         else:
             # Single buffers (large head dims): dO(next) may land once every warp is done with dV,
             # Q(next) once every warp is done with dK; the dQ GEMM then hides the Q load.
-            common.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
+            warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
                            ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
                 self.load_dO(ctx, h1, m1, slot)
             cute.arch.cp_async_commit_group()
-            common.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
+            warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
                            ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
@@ -449,36 +447,36 @@ class FlashBwdSm80:
         sit on top of dK and dV at the register peak of large head dims; dS is re-read from smem
         per split, which is cheap (tile_m x tile_n)."""
         cols = self.hdim // self.dq_splits
-        gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
+        gacc = scratch.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                        self.hdim)
         if cutlass.const_expr(self.deterministic):
             sem = self.semaphore_ptr(ctx, head, m_block)
             # Wait for the previous K/V block that sees this query block (if any) to finish.
             if ctx.n_block > 0 and m_block >= ctx.prev_min and m_block < ctx.prev_max:
-                bwd_math.semaphore_wait(sem, ctx.n_block, ctx.tidx)
+                scratch.semaphore_wait(sem, ctx.n_block, ctx.tidx)
         for c in cutlass.range_constexpr(self.dq_splits):
             acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C((self.tile_m, cols)), Float32)
             acc_dQ.fill(0.0)
             sKt = ctx.sKt if cutlass.const_expr(self.dq_splits == 1) else cute.local_tile(
                 ctx.sKt, (cols, self.tile_n), (c, 0))
             tdQrKt = ctx.thr_dq.make_fragment_B(ctx.thr_dq.partition_B(sKt))
-            common.gemm_ss(ctx.mma_dq, acc_dQ, ctx.tdQrdS, tdQrKt, ctx.tdQsdS, ctx.s2r_dq_B.partition_S(sKt),
-                           ctx.s2r_dq_A, ctx.s2r_dq_B)
+            warp_mma.gemm_ss(ctx.mma_dq, acc_dQ, ctx.tdQrdS, tdQrKt, ctx.tdQsdS,
+                             ctx.s2r_dq_B.partition_S(sKt), ctx.s2r_dq_A, ctx.s2r_dq_B)
             # Split c owns elements [c * tile_m * cols, (c+1) * tile_m * cols) of the chunk, in
             # fragment order: element i of this thread at i * num_threads + tidx.
             base = gacc.iterator + (c * self.tile_m * cols + ctx.tidx)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                bwd_math.red_add_f32(base + i * self.num_threads, acc_dQ[i])
+                scratch.red_add_f32(base + i * self.num_threads, acc_dQ[i])
             if cutlass.const_expr(c + 1 < self.dq_splits):
                 # Keeps ptxas from hoisting the next split's GEMM above these reductions, which
                 # would put both accumulators back in registers at once.
                 cute.arch.sync_warp()
         if cutlass.const_expr(self.deterministic):
-            bwd_math.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx)
+            scratch.semaphore_signal(sem, ctx.n_block + 1, ctx.tidx)
 
     @cute.jit
     def semaphore_ptr(self, ctx, head, m_block):
-        idx = bwd_math.semaphore_index(ctx.seqlen, ctx.batch, m_block, self.tile_m)
+        idx = scratch.semaphore_index(ctx.seqlen, ctx.batch, m_block, self.tile_m)
         coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, ctx.batch)
         return ctx.mSemaphore.iterator + cute.crd2idx(coord, ctx.mSemaphore.layout)
 
@@ -506,5 +504,5 @@ class FlashBwdSm80:
         for mT, sT, d in ((mdK, ctx.sK, self.hdim), (mdV, ctx.sV, self.hdim_v)):
             gT = cute.local_tile(seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, d),
                                  (ctx.n_block, 0))
-            copy = common.r2g_tiled_copy(self.dtype, d, self.num_threads)
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, d, rows_left)
+            copy = warp_mma.r2g_tiled_copy(self.dtype, d, self.num_threads)
+            warp_mma.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, d, rows_left)

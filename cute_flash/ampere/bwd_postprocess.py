@@ -13,10 +13,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from cute_flash.kernels import bwd_math
-from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.device import scratch, warp_mma
+from cute_flash.device.seqlen import SeqlenInfo
 
-from . import common
 from .bwd import make_tiled_mmas
 
 
@@ -39,15 +38,15 @@ class FlashBwdPostSm80:
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
                  softmax_scale: Float32, max_seqlen_q: Int32, stream):
-        mdQaccum = common.lse_to_seq_head(mdQaccum)
-        mdQ = common.to_seq_dim_head(mdQ)
+        mdQaccum = warp_mma.lse_to_seq_head(mdQaccum)
+        mdQ = warp_mma.to_seq_dim_head(mdQ)
         if cutlass.const_expr(self.varlen):
             num_batch = mCuSeqlensQ.shape[0] - 1
             seqlen_q = max_seqlen_q
         else:
             num_batch = mdQ.shape[3]
             seqlen_q = mdQ.shape[0]
-        Storage = self._storage(common.smem_tile(self.dtype, self.tile_m, self.hdim))
+        Storage = self._storage(warp_mma.smem_tile(self.dtype, self.tile_m, self.hdim))
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
         self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -68,8 +67,8 @@ class FlashBwdPostSm80:
         thr_mma = mma_dq.get_slice(tidx)
         splits = self.tiles.dq_splits
         cols = self.hdim // splits
-        gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
-        sdQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
+        gacc = scratch.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        sdQ_layout = warp_mma.smem_tile(self.dtype, self.tile_m, self.hdim)
         sdQ = SmemAllocator().allocate(Storage).sdQ.get_tensor(sdQ_layout)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype),
                                      mma_dq).get_slice(tidx)
@@ -89,6 +88,6 @@ class FlashBwdPostSm80:
             cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ_c))
         cute.arch.barrier()
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
-        copy_dQ = common.r2g_tiled_copy(self.dtype, self.hdim, self.num_threads)
-        common.store_rows(copy_dQ, copy_dQ.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim,
+        copy_dQ = warp_mma.r2g_tiled_copy(self.dtype, self.hdim, self.num_threads)
+        warp_mma.store_rows(copy_dQ, copy_dQ.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim,
                           seqlen.seqlen_q - m_block * self.tile_m)

@@ -21,12 +21,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from cute_flash.bwd import pre_threads_per_row
-from cute_flash.kernels import bwd_math
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import LOG2_E
+from cute_flash.device import scratch, warp_mma
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.softmax import LOG2_E
 
-from . import common
+
+def pre_threads_per_row(hdim_v: int) -> int:
+    """Threads sharing one O / dO row: 16-byte loads, 8 threads per 64 columns (4 per 32); a CTA
+    of ``threads`` covers ``threads // this`` rows per pass, which must tile tile_m."""
+    return (64 if hdim_v % 64 == 0 else 32) // 8
 
 
 class FlashBwdPreSm80:
@@ -46,12 +49,12 @@ class FlashBwdPreSm80:
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor | None,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
                  mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, stream):
-        mO, mdO = [common.to_seq_dim_head(t) for t in (mO, mdO)]
-        mLSE, mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE, mLSE2, mD, mdQaccum)]
+        mO, mdO = [warp_mma.to_seq_dim_head(t) for t in (mO, mdO)]
+        mLSE, mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE, mLSE2, mD, mdQaccum)]
         if cutlass.const_expr(mdLSE is not None):
-            mdLSE = common.lse_to_seq_head(mdLSE)
+            mdLSE = warp_mma.lse_to_seq_head(mdLSE)
         if cutlass.const_expr(mSemaphore is not None):
-            mSemaphore = common.lse_to_seq_head(mSemaphore)
+            mSemaphore = warp_mma.lse_to_seq_head(mSemaphore)
         if cutlass.const_expr(self.varlen):
             num_batch = mCuSeqlensQ.shape[0] - 1
             seqlen_q = max_seqlen_q
@@ -81,7 +84,7 @@ class FlashBwdPreSm80:
     def rowsum_dO_O(self, mO, mdO, mLSE, mdLSE, mLSE2, mD, seqlen: SeqlenInfo, tidx, m_block, head, batch):
         tile = (self.tile_m, self.hdim_v)
         # Built inside the kernel: copy atoms are compile-time objects and cost nothing.
-        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.copy_O = warp_mma.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
         gO = cute.local_tile(seqlen.q_rows(mO, head, batch), tile, (m_block, 0))
         gdO = cute.local_tile(seqlen.q_rows(mdO, head, batch), tile, (m_block, 0))
         thr = self.copy_O.get_slice(tidx)
@@ -99,9 +102,9 @@ class FlashBwdPreSm80:
                 cute.copy(self.copy_O, tOgdO[None, m, None], rdO[None, m, None])
 
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (m_block,))
-        gLSE2 = cute.local_tile(bwd_math.scratch_rows(mLSE2, seqlen, head, batch, self.tile_m),
+        gLSE2 = cute.local_tile(scratch.scratch_rows(mLSE2, seqlen, head, batch, self.tile_m),
                                 (self.tile_m,), (m_block,))
-        gD = cute.local_tile(bwd_math.scratch_rows(mD, seqlen, head, batch, self.tile_m),
+        gD = cute.local_tile(scratch.scratch_rows(mD, seqlen, head, batch, self.tile_m),
                              (self.tile_m,), (m_block,))
         # LSE2: one row per thread, issued beside the O / dO loads -- coalesced, and one memory
         # round trip instead of one per row of the row owners (their load -> store pairs could not
@@ -138,8 +141,8 @@ class FlashBwdPreSm80:
 
     @cute.jit
     def clear_accumulators(self, mdQaccum, mSemaphore, seqlen: SeqlenInfo, tidx, m_block, head, batch):
-        gdQ = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
-        copy = bwd_math.tiled_copy_1d(Float32, self.num_threads, 4)
+        gdQ = scratch.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        copy = scratch.tiled_copy_1d(Float32, self.num_threads, 4)
         # (4 floats per 16-byte store, stores per thread)
         tdQ = copy.get_slice(tidx).partition_D(gdQ)
         zero = cute.make_rmem_tensor_like(tdQ, Float32)
@@ -147,7 +150,7 @@ class FlashBwdPreSm80:
         cute.copy(copy, zero, tdQ)
         if cutlass.const_expr(self.deterministic):
             if tidx == 0:
-                idx = bwd_math.semaphore_index(seqlen, batch, m_block, self.tile_m)
+                idx = scratch.semaphore_index(seqlen, batch, m_block, self.tile_m)
                 if cutlass.const_expr(seqlen.varlen_q):
                     mSemaphore[idx, head] = Int32(0)
                 else:

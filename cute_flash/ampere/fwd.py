@@ -14,13 +14,12 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.layout import acc_to_frgA, transpose_smem
-from cute_flash.kernels.mask import AttentionMask
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
-
-from . import common
+from cute_flash.device import warp_mma
+from cute_flash.device.block_info import BlockInfo
+from cute_flash.device.layout import acc_to_frgA, transpose_smem
+from cute_flash.device.mask import AttentionMask
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.softmax import OnlineSoftmax, score_scales
 
 
 class FlashFwdSm80:
@@ -37,14 +36,14 @@ class FlashFwdSm80:
     # Host side: layouts, copies, MMAs, launch
     # ------------------------------------------------------------------------------------------
     def _setup(self) -> None:
-        self.sQ_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim)
-        self.sK_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim, self.num_stages)
-        self.sV_layout = common.smem_tile(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
-        self.sO_layout = common.smem_tile(self.dtype, self.tile_m, self.hdim_v)
-        self.copy_QK = common.g2s_tiled_copy(self.dtype, self.hdim, self.num_threads)
-        self.copy_V = common.g2s_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
-        self.copy_O = common.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
-        self.mma = common.warp_tiled_mma(self.dtype, self.num_threads // 32)
+        self.sQ_layout = warp_mma.smem_tile(self.dtype, self.tile_m, self.hdim)
+        self.sK_layout = warp_mma.smem_tile(self.dtype, self.tile_n, self.hdim, self.num_stages)
+        self.sV_layout = warp_mma.smem_tile(self.dtype, self.tile_n, self.hdim_v, self.num_stages)
+        self.sO_layout = warp_mma.smem_tile(self.dtype, self.tile_m, self.hdim_v)
+        self.copy_QK = warp_mma.g2s_tiled_copy(self.dtype, self.hdim, self.num_threads)
+        self.copy_V = warp_mma.g2s_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.copy_O = warp_mma.r2g_tiled_copy(self.dtype, self.hdim_v, self.num_threads)
+        self.mma = warp_mma.warp_tiled_mma(self.dtype, self.num_threads // 32)
 
     def _storage(self):
         sq = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
@@ -64,8 +63,8 @@ class FlashFwdSm80:
                  max_seqlen_q: Int32, stream):
         self._setup()
         Storage = self._storage()
-        mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
-        num_batch, seqlen_q = common.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
+        mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
+        num_batch, seqlen_q = warp_mma.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
@@ -134,14 +133,14 @@ class FlashFwdSm80:
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_O, mode=[0, 0]) * cute.size(acc_O, mode=[1]))
         softmax.reset()
 
-        ctx = common.Ctx(
+        ctx = warp_mma.Ctx(
             thr_mma=thr_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, s2r_Q=s2r_Q, s2r_K=s2r_K,
             s2r_V=s2r_V, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
             tKcK=tKcK, tVcV=tVcV, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block,
             n_block_min=n_block_min, n_block_last=n_block_max - 1, score_scale=score_scale)
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
-        common.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
+        warp_mma.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
                          seqlen.seqlen_q - m_block * self.tile_m, tidx)
         if n_block_max > n_block_min:
             self.load_K(ctx, n_block_max - 1, 0, partial=True)
@@ -186,7 +185,7 @@ class FlashFwdSm80:
 
     @cute.jit
     def load_K(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
-        common.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block],
+        warp_mma.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block],
                           ctx.tKsK[None, None, None, stage], ctx.tKcK,
                           ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
 
@@ -194,7 +193,7 @@ class FlashFwdSm80:
     def load_V(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
         # V rows past the sequence end must be zeros, not stale smem: P is 0 there but 0 * NaN
         # would still poison O.
-        common.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block],
+        warp_mma.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block],
                           ctx.tVsV[None, None, None, stage], ctx.tVcV,
                           ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
 
@@ -219,7 +218,7 @@ class FlashFwdSm80:
                 self.load_K(ctx, n_block - 1, stage ^ 1, partial=False)
             cute.arch.cp_async_commit_group()
 
-        common.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
+        warp_mma.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
                        ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
@@ -242,7 +241,7 @@ class FlashFwdSm80:
             if n_block > ctx.n_block_min:
                 self.load_K(ctx, n_block - 1, 0, partial=False)
             cute.arch.cp_async_commit_group()
-        common.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt[None, None, None, stage],
+        warp_mma.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt[None, None, None, stage],
                        ctx.s2r_V, prefetch=self.prefetch)
 
     @cute.jit
@@ -266,7 +265,7 @@ class FlashFwdSm80:
         cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
         cute.arch.barrier()
         gO = cute.local_tile(seqlen.q_rows(mO, head, batch), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
-        common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
+        warp_mma.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
                           rows_left)
 
 

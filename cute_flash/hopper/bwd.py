@@ -36,17 +36,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.ampere import common
+from cute_flash.device import scratch, waits, warp_mma
+from cute_flash.device.block_info import BlockInfo
+from cute_flash.device.convert import convert_pairs
+from cute_flash.device.layout import acc_to_mn, transpose_smem
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.softmax import score_scales
+from cute_flash.device.tile_scheduler import section_size, section_walk_plan
 from cute_flash.hopper.bwd_epilogue import BwdEpilogue
 from cute_flash.hopper.bwd_load import BwdProducer
 from cute_flash.hopper.fwd import acc_to_frgA_sm90, wg_gemm
-from cute_flash.kernels import bwd_math, waits
-from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.convert import convert_pairs
-from cute_flash.kernels.layout import acc_to_mn, transpose_smem
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import score_scales
-from cute_flash.kernels.tile_scheduler import section_size, section_walk_plan
 
 # Named barrier ids (0 is __syncthreads), over the two consumer warpgroups: dS in smem is written
 # by both and read by both (the dQ GEMM contracts over all tile_n keys), so each block's writes
@@ -176,7 +175,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         out = {"sLSE2": cute.make_layout((self.tile_m, self.num_stages)),
                "sDsum": cute.make_layout((self.tile_m, self.num_do_stages))}
         if cutlass.const_expr(self.dq_warp):
-            out["sdQ"] = cute.make_layout(self.tile_m * self.hdim)  # fragment order (bwd_math)
+            out["sdQ"] = cute.make_layout(self.tile_m * self.hdim)  # fragment order (scratch)
         return out
 
     def _storage(self):
@@ -205,10 +204,10 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
         self._setup()
         Storage = self._storage()
-        mQ, mK, mV, mdO, mdK, mdV = [common.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSE2, mD, mdQaccum = [common.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
+        mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
         if cutlass.const_expr(mSemaphore is not None):
-            mSemaphore = common.lse_to_seq_head(mSemaphore)
+            mSemaphore = warp_mma.lse_to_seq_head(mSemaphore)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(self.sQ_layout, mode=[0, 1]),
                                                     (self.tile_m, self.hdim))
@@ -216,7 +215,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                                                       (self.tile_m, self.hdim_v))
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
-        num_batch, seqlen_k = common.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
+        num_batch, seqlen_k = warp_mma.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         if cutlass.const_expr(self.cfg.persistent):
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], self.cfg.num_ctas), 1, 1)
@@ -276,11 +275,11 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             pipe_do = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_do_stages,
                 producer_group=producer, consumer_group=consumers, tx_count=self.tx_do, defer_sync=True)
-        pipes = common.Ctx(kv=pipe_kv, q=pipe_qdo, do=pipe_do)
+        pipes = warp_mma.Ctx(kv=pipe_kv, q=pipe_qdo, do=pipe_do)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        smem = common.Ctx(**{name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+        smem = warp_mma.Ctx(**{name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
                              for name, layout in self.smem_layouts().items()},
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
@@ -291,10 +290,10 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 layout = self._smem(self.tile_n, width, None)
                 ptr = cute.recast_ptr(storage.sdS.data_ptr() + off, layout.inner, dtype=self.dtype)
                 setattr(smem, name, cute.make_tensor(ptr, layout.outer))
-        args = common.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+        args = warp_mma.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
                           mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
                           qhead_per_kv=qhead_per_kv)
-        loads = common.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
+        loads = warp_mma.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
                            tma_V=tma_V, tma_dO=tma_dO)
         if cutlass.const_expr(self.cfg.persistent):
             self.persistent_roles(args, loads, mdQaccum, mdK, mdV, smem, pipes, scales, warp_idx)
@@ -386,12 +385,12 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             if rot >= num_m:
                 rot = rot % cutlass.max(num_m, 1)
             if cutlass.const_expr(self.deterministic):
-                # The rotated add order (``bwd_math.rotated_add_rank``): its per-CTA divisions.
+                # The rotated add order (``scratch.rotated_add_rank``): its per-CTA divisions.
                 num_n = cute.ceil_div(seqlen.seqlen_k, self.tile_n)
                 m_count = cutlass.max(num_m, 1)
                 q_per = num_n // m_count
                 rank_plan = (m_count, q_per, num_n - q_per * m_count, n_block // m_count)
-        work = common.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
+        work = warp_mma.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
                           m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                           prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
                           mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)
@@ -491,7 +490,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         # Operand descriptors from warp-uniform slices (uniform registers, see the forward).
         wg_sdp, wg_dkv, wg_dq = (m.get_slice(wg * 128) for m in (self.mma_sdp, self.mma_dkv, self.mma_dq))
         sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
-        return common.Ctx(
+        return warp_mma.Ctx(
             thr_sdp=thr_sdp, thr_dq=thr_dq, thr_dkv=thr_dkv,
             tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK)),
             tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ)),
@@ -813,7 +812,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
         for it in cutlass.range(total, unroll=1):
             head, m_block = self.work_item(work, it)
-            gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
+            gacc = scratch.dq_accum_block(mdQaccum, seqlen, head, work.batch, m_block, self.tile_m,
                                            self.hdim)
             sem = None
             if cutlass.const_expr(self.deterministic):
@@ -827,9 +826,9 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
                 if lane == 0:
                     if cutlass.const_expr(self.cfg.rotate_m):
                         if rank > 0:
-                            bwd_math.semaphore_spin(sem, rank)
+                            scratch.semaphore_spin(sem, rank)
                     elif work.prev_valid and m_block >= work.prev_min and m_block < work.prev_max:
-                        bwd_math.semaphore_spin(sem, rank)
+                        scratch.semaphore_spin(sem, rank)
                     # The acquire was a generic-proxy load; the reduce-adds are async-proxy ops.
                     cute.arch.fence_proxy("async.global")
                 cute.arch.sync_warp()  # the warp reconverged before the (aligned) FULL barrier
@@ -841,7 +840,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             for wg in cutlass.range_constexpr(num_wg):
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
                 if lane == 0:
-                    bwd_math.bulk_reduce_add_f32(gacc.iterator + wg * half, smem.sdQ.iterator + wg * half,
+                    scratch.bulk_reduce_add_f32(gacc.iterator + wg * half, smem.sdQ.iterator + wg * half,
                                                  half * 4)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(not batch):
@@ -878,7 +877,7 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
     @cute.jit
     def store_dq(self, ctx, acc_dQ, head: Int32, m_block: Int32):
         """Adds this block's dQ partial into its fp32 accumulator chunk (fragment order, see
-        ``bwd_math.frag_chunk_view``): through the writer warp (``dq_warp``), or with vector
+        ``scratch.frag_chunk_view``): through the writer warp (``dq_warp``), or with vector
         reductions from the consumer threads."""
         sem = None
         # With the writer warp, deterministic mode's ordering is the writer's (``dq_writer``).
@@ -891,25 +890,25 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
             if cutlass.const_expr(self.cfg.rotate_m):
                 rank = self.rotated_rank(ctx, m_block)
                 if rank > 0:
-                    bwd_math.semaphore_wait(sem, rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+                    scratch.semaphore_wait(sem, rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
             elif ctx.prev_valid and m_block >= ctx.prev_min and m_block < ctx.prev_max:
-                bwd_math.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+                scratch.semaphore_wait(sem, ctx.order_rank, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
         if cutlass.const_expr(self.dq_warp):
             # Hand this warpgroup's half to the writer warp: wait until it has read the previous one.
             wg = cute.arch.make_warp_uniform(ctx.tidx // 128)
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=DQ_HANDOFF_THREADS)
-            view = bwd_math.frag_chunk_view(ctx.smem.sdQ, ctx.tidx, self.num_mma_threads)
+            view = scratch.frag_chunk_view(ctx.smem.sdQ, ctx.tidx, self.num_mma_threads)
             for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
                 four = cute.make_tensor(acc_dQ.iterator + 4 * j, cute.make_layout(4))
                 cute.autovec_copy(four, view[None, j])
             cute.arch.fence_view_async_shared()  # generic-proxy writes before the bulk copy reads them
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_HANDOFF_THREADS)
         else:
-            gacc = bwd_math.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
+            gacc = scratch.dq_accum_block(ctx.mdQaccum, ctx.seqlen, head, ctx.batch, m_block, self.tile_m,
                                            self.hdim)
-            bwd_math.red_add_frag(bwd_math.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
+            scratch.red_add_frag(scratch.frag_chunk_view(gacc, ctx.tidx, self.num_mma_threads), acc_dQ)
         if cutlass.const_expr(consumers_order):
-            bwd_math.semaphore_signal(sem, rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
+            scratch.semaphore_signal(sem, rank + 1, ctx.tidx, BAR_DQ_ORDER, self.num_mma_threads)
 
     @cute.jit
     def rotated_rank(self, w, m_block: Int32) -> Int32:
@@ -919,11 +918,11 @@ class FlashBwdSm90(BwdProducer, BwdEpilogue):
         local = m_block - w.m_block_min
         step = local - w.rot
         step = cutlass.select_(step < 0, step + m_count, step)
-        return bwd_math.rotated_add_rank(step, local, m_count, q_per, rem, n_div)
+        return scratch.rotated_add_rank(step, local, m_count, q_per, rem, n_div)
 
     @cute.jit
     def dq_semaphore(self, mSemaphore, seqlen: SeqlenInfo, batch: Int32, head: Int32, m_block: Int32):
         """Deterministic mode: the ordering flag of (query block, head, batch)."""
-        idx = bwd_math.semaphore_index(seqlen, batch, m_block, self.tile_m)
+        idx = scratch.semaphore_index(seqlen, batch, m_block, self.tile_m)
         coord = (idx, head) if cutlass.const_expr(self.varlen) else (idx, head, batch)
         return mSemaphore.iterator + cute.crd2idx(coord, mSemaphore.layout)

@@ -15,8 +15,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.ampere import common
-from cute_flash.kernels.layout import transpose_smem
+from cute_flash.device import warp_mma
+from cute_flash.device.layout import transpose_smem
 
 
 class BwdEpilogue:
@@ -93,10 +93,10 @@ class BwdEpilogue:
         exist."""
         rows_left = ctx.seqlen.seqlen_k - ctx.n_block * self.tile_n
         for mT, sT, width in parts:
-            copy = common.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
+            copy = warp_mma.r2g_tiled_copy(self.dtype, width, self.num_mma_threads)
             gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
                                  (ctx.n_block, 0))
-            common.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
+            warp_mma.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
 
     def dkv_stage_offsets(self) -> tuple:
         """``dkv_via_ds``: element offsets of the dK and dV staging tiles in the dS buffers -- side

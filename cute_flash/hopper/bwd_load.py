@@ -10,9 +10,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from cute_flash.kernels import bwd_math, waits
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.tile_scheduler import (
+from cute_flash.device import scratch, waits
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.tile_scheduler import (
     balanced_section_order,
     planned_section_order,
     section_order,
@@ -189,8 +189,8 @@ class BwdProducer:
         if it == 0:
             # K, V, Q and dO are inputs; LSE2 and D come from the preprocess.
             self.wait_for_preprocess()
-        gLSE2 = bwd_math.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
-        gD = bwd_math.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
+        gLSE2 = scratch.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
+        gD = scratch.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
         with cute.arch.elect_one():
             cute.copy(bulk, cute.local_tile(gLSE2, (self.tile_m,), (m_block,)), smem.sLSE2[None, state.index],
                       mbar_ptr=bar_q)
@@ -233,8 +233,8 @@ class BwdProducer:
                   state):
         """Q and dO (TMA) and the LSE2 and D rows (bulk copies) of every query block of one query
         head that sees this K/V block, one pipeline stage per block."""
-        gLSE2 = bwd_math.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
-        gD = bwd_math.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
+        gLSE2 = scratch.scratch_rows(mLSE2, seqlen, head, work.batch, self.tile_m)
+        gD = scratch.scratch_rows(mD, seqlen, head, work.batch, self.tile_m)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         tQsQ, tQgQ, tdOsdO, tdOgdO = self.qdo_tma_tiles(mQ, mdO, tma_Q, tma_dO, smem, seqlen, work, head)
         num_m = work.m_block_max - work.m_block_min

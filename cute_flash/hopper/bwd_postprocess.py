@@ -16,11 +16,10 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.ampere import common
+from cute_flash.device import scratch, warp_mma
+from cute_flash.device.layout import transpose_smem
+from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.hopper.bwd import NUM_MMA_THREADS, dq_acc_shape, dq_swapab, dq_tiled_mma
-from cute_flash.kernels import bwd_math
-from cute_flash.kernels.layout import transpose_smem
-from cute_flash.kernels.seqlen import SeqlenInfo
 
 
 class FlashBwdPostSm90:
@@ -53,9 +52,9 @@ class FlashBwdPostSm90:
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
                  softmax_scale: Float32, max_seqlen_q: Int32, stream):
         """The sm80 postprocess's signature."""
-        mdQaccum = common.lse_to_seq_head(mdQaccum)
-        mdQ = common.to_seq_dim_head(mdQ)
-        num_batch, seqlen_q = common.grid_rows(mdQ, mCuSeqlensQ, max_seqlen_q)
+        mdQaccum = warp_mma.lse_to_seq_head(mdQaccum)
+        mdQ = warp_mma.to_seq_dim_head(mdQ)
+        num_batch, seqlen_q = warp_mma.grid_rows(mdQ, mCuSeqlensQ, max_seqlen_q)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2], num_batch)
         self.kernel(mdQaccum, mdQ, mCuSeqlensQ, softmax_scale).launch(
             grid=grid, block=[NUM_MMA_THREADS, 1, 1], smem=self.smem_bytes(), stream=stream)
@@ -75,10 +74,10 @@ class FlashBwdPostSm90:
     @cute.jit
     def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, seqlen: SeqlenInfo,
                      softmax_scale: Float32, tidx: Int32, m_block: Int32, head: Int32, batch: Int32):
-        gacc = bwd_math.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
+        gacc = scratch.dq_accum_block(mdQaccum, seqlen, head, batch, m_block, self.tile_m, self.hdim)
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
-        view = bwd_math.frag_chunk_view(gacc, tidx, NUM_MMA_THREADS)
+        view = scratch.frag_chunk_view(gacc, tidx, NUM_MMA_THREADS)
         acc = cute.make_rmem_tensor(cute.size(view), Float32)
         for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
             cute.autovec_copy(view[None, j], cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)))
@@ -114,8 +113,8 @@ class FlashBwdPostSm90:
         # read and store past the tile; whole rows per row of threads (16-row passes at d = 128).
         chunk = 0 if self.tile_m % 32 == 0 else self.hdim
         assert not chunk or self.tile_m % (NUM_MMA_THREADS * (128 // self.dtype.width) // chunk) == 0
-        copy = common.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS, chunk)
-        common.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
+        copy = warp_mma.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS, chunk)
+        warp_mma.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
 
     @cute.jit
     def store_direct(self, acc, gdQ, rows_left: Int32, softmax_scale: Float32, tidx: Int32):

@@ -21,12 +21,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_flash.ampere import common
+from cute_flash.device import waits, warp_mma
+from cute_flash.device.convert import convert_pairs
+from cute_flash.device.layout import acc_to_mn, transpose_smem
 from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, BAR_P_FULL, FlashBwdSm90, dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
-from cute_flash.kernels import waits
-from cute_flash.kernels.convert import convert_pairs
-from cute_flash.kernels.layout import acc_to_mn, transpose_smem
 
 
 class FlashBwdSm90Wide(FlashBwdSm90):
@@ -70,7 +69,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sQt, sdOt = transpose_smem(smem.sQ), transpose_smem(smem.sdO)
         shape_dk = thr_dkv.partition_shape_C((self.hdim, self.tile_n))
         shape_dv = thr_dkv.partition_shape_C((self.hdim_v, self.tile_n))
-        return common.Ctx(
+        return warp_mma.Ctx(
             thr_sdp=thr_sdp, thr_dq=thr_dq, thr_dkv=thr_dkv,
             tSrQ=wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.sQ)),
             tSrK=wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.sK)),

@@ -30,15 +30,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash.ampere import common
-from cute_flash.kernels import waits
-from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.convert import convert_pairs
-from cute_flash.kernels.layout import acc_to_mn, pack_heads, transpose_smem
-from cute_flash.kernels.mask import AttentionMask
-from cute_flash.kernels.seqlen import SeqlenInfo
-from cute_flash.kernels.softmax import OnlineSoftmax, score_scales
-from cute_flash.kernels.tile_scheduler import TileScheduler
+from cute_flash.device import waits, warp_mma
+from cute_flash.device.block_info import BlockInfo
+from cute_flash.device.convert import convert_pairs
+from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
+from cute_flash.device.mask import AttentionMask
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.softmax import OnlineSoftmax, score_scales
+from cute_flash.device.tile_scheduler import TileScheduler
 
 # Named barrier ids (0 is __syncthreads): the consumer warpgroups' epilogue barrier, then one
 # scheduling barrier per consumer warpgroup (ping-pong).
@@ -145,7 +144,7 @@ class FlashFwdSm90:
         self.mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
-        self.copy_O = common.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
+        self.copy_O = warp_mma.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
 
     def _storage(self):
         stages = self.num_stages
@@ -264,11 +263,11 @@ class FlashFwdSm90:
         """``extra``: tensors a subclass's hooks read in the kernel (the FP8 descales)."""
         self._setup()
         Storage = self._storage()
-        mQ, mK, mV, mO, mLSE = common.forward_views(mQ, mK, mV, mO, mLSE)
+        mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
         # Packed (varlen) inputs: the TMA boxes start at each batch's first row (cu_seqlens), so a
         # box may run into the next batch's rows; those keys are masked (seqlen mask) and those
         # query rows are never stored.
-        num_batch, seqlen_q = common.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
+        num_batch, seqlen_q = warp_mma.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
         # TMA descriptors are made on the host and passed to the kernel (grid-constant params).
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         num_head_q = mQ.shape[2]
@@ -355,9 +354,9 @@ class FlashFwdSm90:
         sO = sO_buf.get_tensor(self.sO_layout.outer, swizzle=self.sO_layout.inner)
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
-        smem = common.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
-        pipes = common.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
-        geo = common.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
+        smem = warp_mma.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
+        pipes = warp_mma.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
+        geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                          window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
                          next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
 
@@ -523,7 +522,8 @@ class FlashFwdSm90:
         # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
         # iterations); same compact layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-        ctx = common.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ)),
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ))
+        ctx = warp_mma.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ,
                          tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
                          tOrVt=self.v_operand(wg_pv, smem.sV),
                          acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
@@ -783,5 +783,5 @@ class FlashFwdSm90:
                     # Q's buffer goes back to the producer only once the TMA engine has read it.
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
-            common.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
+            warp_mma.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
                               rows_left)

@@ -30,11 +30,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_flash.ampere import common
-from cute_flash.fp8_ref import EXP_BYTES_LOG2_SCALE, P_SCALE
+from cute_flash.device import warp_mma
+from cute_flash.device.convert import pack_codes
+from cute_flash.device.layout import acc_to_mn
+from cute_flash.formats import EXP_BYTES_LOG2_SCALE, P_SCALE
 from cute_flash.hopper.fwd import FlashFwdSm90
-from cute_flash.kernels.convert import pack_codes
-from cute_flash.kernels.layout import acc_to_mn
 
 # Columns of the ones block (the narrowest wgmma N).
 SUM_COLS = 8
@@ -128,7 +128,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.mma_pv = sm90_utils.make_trivial_tiled_mma(
             f8, f8, K, K, Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.hdim_v),
             a_source=warpgroup.OperandSource.RMEM)
-        self.copy_O = common.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
+        self.copy_O = warp_mma.r2g_tiled_copy(self.o_dtype, self.hdim_v, self.num_mma_threads)
         if cutlass.const_expr(self.cfg.sum_mma):
             # P times a (keys x 8) block of ones: every column of the m64n8 result is P's row sum.
             self.sOnes_layout = self._smem(SUM_COLS, self.tile_n, None)

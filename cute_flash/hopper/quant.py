@@ -1,4 +1,4 @@
-"""Quantize-and-rotate for the FP8 forward (issue 5): ``cute_flash.fp8_ref.quantize_qkv_ref`` as a
+"""Quantize-and-rotate for the FP8 forward (issue 5): ``cute_flash.reference_fp8.quantize_qkv_ref`` as a
 CuTe-DSL kernel, in two phases over the same grid.
 
 * ``amax``: per (batch, kv head) the largest |x M| (Q, K rotated) or |x| (V), one float atomic
@@ -31,9 +31,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from cute_flash.ampere import common
-from cute_flash.fp8_ref import E4M3_MAX, V_PERM16
-from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.device import warp_mma
+from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.formats import E4M3_MAX, V_PERM16
 
 NUM_WARPS = 4
 # Rows each warp loads before using any (``load_rows``).
@@ -78,13 +78,13 @@ class QuantizeSm90:
         ``max_seqlen`` (at least the longest sequence) sizes the grid; dense: None and unused.
         ``mCuSeqlensOut`` (``v_aligned``): where each sequence's V starts in the storage, 16-aligned
         (``fp8_ref.varlen_v_offsets``); else None."""
-        mX = common.to_seq_dim_head(mX)  # (N, d, H, B); packed (T, d, H)
+        mX = warp_mma.to_seq_dim_head(mX)  # (N, d, H, B); packed (T, d, H)
         if cutlass.const_expr(self.transpose):
             # (B, H, d, N_pad) -> (N_pad, d, H, B): element (n, c, h, b) at the same place.
             modes = [2, 1, 0] if cutlass.const_expr(self.varlen) else [3, 2, 1, 0]
             mOut = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=modes))
         else:
-            mOut = common.to_seq_dim_head(mOut)
+            mOut = warp_mma.to_seq_dim_head(mOut)
         if cutlass.const_expr(self.varlen):
             grid = (cute.ceil_div(max_seqlen, self.rows), mX.shape[2], mCuSeqlens.shape[0] - 1)
         else:

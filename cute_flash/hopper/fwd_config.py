@@ -1,9 +1,6 @@
-"""Hopper (sm90a) forward: variant configs and a torch-side launcher for the FlashAttention-3 style
-kernel in ``cute_flash.hopper.fwd``.
-
-Every public forward entry point runs it on a Hopper GPU (``fwd.fwd_family``;
-``CUTE_FLASH_FWD_KERNEL=sm80`` selects the FA2 kernel instead). The compiled function takes
-exactly the sm80 forward's arguments, so ``run_fwd_sm90`` mirrors ``fwd.run_fwd``.
+"""sm90a forward config (the FlashAttention-3 style kernel in ``hopper/fwd.py``), its tile tables
+and its plan. The compiled function takes the sm80 forward's arguments
+(``signatures.fwd_fake_args``) plus a tile counter for the persistent grid.
 """
 
 from __future__ import annotations
@@ -11,10 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass
-import torch
 
-from cute_flash import jit
-from cute_flash.fwd import fwd_fake_args, run_fwd
+from cute_flash import jit, signatures
+from cute_flash.problem import Problem
 
 # Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap).
 # tile_m is 64 rows per consumer warpgroup; K and V each sit in a ``stages``-deep TMA pipeline.
@@ -165,32 +161,6 @@ class FwdSm90Config(jit.KernelConfig):
         kv = self.stages * self.tile_n * (self.hdim + self.hdim_v) * 2
         return 1024 + kv + (q + o if separate_o else max(q, o)) + 2 * 1024
 
-    @staticmethod
-    def launch_fields(q: torch.Tensor, v: torch.Tensor, *, causal: bool, local: bool, varlen: bool) -> dict:
-        """Fields chosen from the inputs at launch (``fwd.fwd_config``): packed GQA for short query
-        sequences, and the persistent grid where it measured faster (see ``SM90_PERSISTENT_*``).
-        Sliding windows (unmeasured) and varlen keep one CTA per tile."""
-        if varlen or q.device.type != "cuda":
-            return {}
-        d, n = max(q.shape[-1], v.shape[-1]), v.shape[1]
-        fields: dict = {}
-        pack = q.shape[2] // v.shape[2]
-        tile_m = sm90_tile(d, causal or local)[0]
-        # Only for Q in the dense (B, N, H, d) order the packed TMA boxes were checked with on the
-        # GPU (other layouts, e.g. SDPA-style transposed views, keep one head per tile).
-        if pack > 1 and tile_m % pack == 0 and q.shape[1] * pack <= tile_m and _dense_bnhd(q):
-            # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so
-            # each K/V block is read once per KV head instead of once per query head, and the
-            # tile is not mostly empty rows.
-            fields["pack_gqa"] = pack
-        if local or (causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN):
-            return fields
-        if causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
-            fields.update(num_ctas=sm_count(q.device), dynamic_tiles=True)
-        elif not causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
-            fields.update(num_ctas=sm_count(q.device))
-        return fields
-
     def build(self):
         from cute_flash.hopper.fwd import FlashFwdSm90
 
@@ -198,37 +168,35 @@ class FwdSm90Config(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         """The shared forward arguments plus ``tile_counter`` (int32, 1 element) before the stream."""
-        *args, stream = fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+        *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
         return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), stream)
 
-    def launch_args(self, device: torch.device) -> tuple:
-        """Runtime arguments after the shared ones: the tile counter, zeroed for this launch when
-        tiles are claimed dynamically (one int32 memset), else a placeholder never read."""
-        if self.dynamic_tiles and self.num_ctas > 0 and not self.varlen:
-            return (torch.zeros(1, dtype=torch.int32, device=device),)
-        if device not in _PLACEHOLDER:
-            _PLACEHOLDER[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return (_PLACEHOLDER[device],)
+
+def plan(p: Problem) -> FwdSm90Config:
+    """The forward variant of one problem: packed GQA for short query sequences, and the persistent
+    grid where it measured faster (``SM90_PERSISTENT_*``). Sliding windows and varlen keep one CTA
+    per tile."""
+    base = dict(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
+                softcap=p.softcap, varlen=p.varlen)
+    if p.varlen or not p.extents_known:
+        return FwdSm90Config(**base)
+    return FwdSm90Config(**base, **launch_fields(p))
 
 
-def _dense_bnhd(t: torch.Tensor) -> bool:
-    _, n, h, d = t.shape
-    return tuple(t.stride()) == (n * h * d, h * d, d, 1)
-
-
-_SM_COUNT: dict[int, int] = {}
-_PLACEHOLDER: dict[torch.device, torch.Tensor] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def run_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 **kwargs) -> None:
-    """Launch the sm90a forward on validated CUDA tensors (an H100/H200); same contract and keyword
-    arguments as ``cute_flash.fwd.run_fwd``, with the sm90 family forced."""
-    run_fwd(q, k, v, out, lse, config_cls=FwdSm90Config, **kwargs)
+def launch_fields(p: Problem) -> dict:
+    d, n = max(p.hdim, p.hdim_v), p.max_seqlen_k
+    fields: dict = {}
+    pack = p.heads_q // p.heads_kv
+    tile_m = sm90_tile(d, p.masked)[0]
+    # Packed-GQA TMA boxes were checked with Q in the dense (B, N, H, d) order only.
+    if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense:
+        # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so each
+        # K/V block is read once per KV head, and the tile is not mostly empty rows.
+        fields["pack_gqa"] = pack
+    if p.local or (p.causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN):
+        return fields
+    if p.causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
+        fields.update(num_ctas=p.num_sms, dynamic_tiles=True)
+    elif not p.causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
+        fields.update(num_ctas=p.num_sms)
+    return fields

@@ -79,7 +79,7 @@ def step_host_times(n: int = 256, iters: int = 100) -> None:
     """Host microseconds per call of each step of varlen ``fp8=True`` (no sync inside the loop;
     small enough that the GPU keeps up and the launch queue never blocks)."""
     from cute_flash import jit
-    from cute_flash.fp8_ref import varlen_v_offsets
+    from cute_flash.reference_fp8 import varlen_v_offsets
     from cute_flash.quant import _signs, quant_configs, quantize_qkv_varlen
 
     d, h, seqs = 128, 16, 8

@@ -1,18 +1,20 @@
-"""FP8 (e4m3) forward on Hopper (issue 5): the kernel config of ``cute_flash.hopper.fwd_fp8``.
+"""FP8 (e4m3) configs on Hopper: the attention kernel (``hopper/fwd_fp8.py``, the sm90 forward with
+1-byte Q / K / V) and the quantize-and-rotate kernels (``hopper/quant.py``), their tables and plans.
 
-Inputs as ``quant.quantize_qkv`` returns them: e4m3 Q, K in (B, N, H, d), V as a (B, N, H_kv, d)
+Inputs as ``launch.quantize_qkv`` returns them: e4m3 Q, K in (B, N, H, d), V as a (B, N, H_kv, d)
 view of token-contiguous storage, fp32 (B, H_kv) descales; O in bf16 / fp16 (``dtype``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cutlass
 
 from cute_flash import jit
-from cute_flash.fwd_sm90 import SM90_SMEM_LIMIT, FwdSm90Config
+from cute_flash.formats import FP8_HDIMS as QUANT_HDIMS  # powers of two (Walsh-Hadamard), d / 32 lanes
+from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT, FwdSm90Config
+from cute_flash.problem import Problem
 
 # (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap) per head dim.
 # tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time). With 1-byte Q / K / V
@@ -31,12 +33,16 @@ SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
     128: (128, 192, 2, 2, True, True),
     256: (128, 128, 2, 2, False, True),
 }
+
+
 # 1 in this many of the softmax exponentials on the FMA pipe (``FwdSm90Config.exp2_emu``). At d = 128
 # FP8 the MUFU's 16 exp2 per clock take as long as the QGMMAs of a block: with V in the kernel order,
 # 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k) and +0.5-2% at
 # N = 2k / 4k; at d = 256 (twice the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%.
 # With ``sum_mma`` (the d = 128 default since session 8) the FMA pipe is busier: 0 there.
 SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
+
+
 # Persistent grid up to this many keys (session 6, N = 2k / 4k, TFLOP/s one CTA per tile ->
 # persistent): non-causal with a static stride 749 -> 794, 827 -> 839 (d = 128) and 1063 -> 1115,
 # 1102 -> 1142 (d = 256); causal with tiles claimed from the atomic counter 571 -> 636, 697 -> 747
@@ -46,7 +52,11 @@ SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
 # d = 64 (bf16 lost with the persistent grid at N <= 1k there) was not measured and keeps one CTA
 # per tile.
 SM90_FP8_PERSISTENT_MAX_SEQLEN = 4096
+
+
 SM90_FP8_PERSISTENT_CAUSAL_D128_MAX_SEQLEN = 8192
+
+
 # Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
 # tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
 SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
@@ -226,61 +236,133 @@ def fp8_launch_fields(num_keys: int, *, causal: bool, local: bool, num_sms: int,
 assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256).smem_bytes(True)
 
 
-# "exact": P by the MUFU's exponential and an e4m3 conversion (round to nearest) wherever the
-# default takes its codes from the FFMA (``exp_bytes``, d = 128: ~15% faster, P's rounding up to
-# one code off). Read at every call.
-FP8_P_ENV = "CUTE_FLASH_FP8_P"
+@dataclass(frozen=True)
+class QuantizeConfig(jit.KernelConfig):
+    """One phase (``amax`` or ``quant``) of quantizing one of Q, K (``rotate``) or V
+    (``transpose``: sequence-contiguous output), ``rows`` tokens of one head per CTA."""
+
+    dtype: str = "bf16"
+    hdim: int = 128
+    rotate: bool = True
+    transpose: bool = False
+    phase: str = "quant"
+    rows: int = 64
+    # With ``transpose``: tokens stored in the FP8 kernel's order (``fp8_ref.V_PERM16``).
+    v_perm: bool = False
+    # Packed (T, H, d) input with cu_seqlens; scales per (sequence, kv head).
+    varlen: bool = False
+    # Varlen V: each sequence written from its own 16-aligned start (``fp8_ref.varlen_v_offsets``,
+    # the varlen FP8 kernel's V layout) instead of at its cu_seqlens offset.
+    v_aligned: bool = False
+    # Lanes per row (``hopper.quant``): 32, or 4 / 8 / 16 for Q and K -- a warp then rotates 32 / L
+    # rows at once with fewer shuffle rounds. Needs ``rows`` a multiple of 16 * 32 / L.
+    lanes_per_row: int = 32
+
+    kernel_name = "quantize"
+
+    def __post_init__(self) -> None:
+        if self.hdim not in QUANT_HDIMS:
+            raise ValueError(f"quantize: head dim {self.hdim} not in {QUANT_HDIMS}")
+        if self.phase not in ("amax", "quant"):
+            raise ValueError(f"quantize: phase must be amax or quant, got {self.phase!r}")
+        if self.rotate and self.transpose:
+            raise ValueError("quantize: V (the transposed output) is not rotated")
+        if self.v_perm and not (self.transpose and self.phase == "quant"):
+            raise ValueError("quantize: v_perm orders the transposed V output")
+        relayout_only = self.transpose and self.phase == "quant" and not self.rotate
+        if self.v_aligned and not (self.varlen and self.transpose and self.phase == "quant"):
+            raise ValueError("quantize: v_aligned places packed V (varlen, transposed quant phase)")
+        if self.dtype == "e4m3" and not relayout_only:
+            raise ValueError("quantize: e4m3 input only re-lays V out (transpose, quant phase)")
+        if self.lanes_per_row not in (4, 8, 16, 32) or self.hdim // self.lanes_per_row < 2:
+            raise ValueError(f"quantize: lanes_per_row must be 4, 8, 16 or 32 (at most d / 2), got "
+                             f"{self.lanes_per_row}")
+        if self.lanes_per_row != 32 and self.transpose:
+            raise ValueError("quantize: V (transposed through smem) takes a whole warp per row")
+        if self.rows % (16 * 32 // self.lanes_per_row):
+            raise ValueError(f"quantize: rows must be a multiple of {16 * 32 // self.lanes_per_row} "
+                             f"with {self.lanes_per_row} lanes per row")
+        if self.v_perm and self.varlen:
+            # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
+            raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
+
+    def build(self):
+        from cute_flash.hopper.quant import QuantizeSm90
+
+        return QuantizeSm90(self)
+
+    def fake_args(self) -> tuple:
+        """(x, signs, amax, out, cu_seqlens, max_seqlen, cu_seqlens_out, stream); dense: both
+        cu_seqlens None; cu_seqlens_out only with ``v_aligned``."""
+        dt = cutlass.Float8E4M3FN if self.dtype == "e4m3" else jit.DTYPES[self.dtype]
+        h, hkv, d = jit.sym(), jit.sym(), self.hdim
+        signs = jit.fake_tensor(cutlass.Float32, (d,))
+        if self.varlen:
+            t, s1 = jit.sym(), jit.sym()
+            x = jit.fake_tensor(dt, (t, h, d), divisibility=jit.vec_div(dt))
+            amax = jit.fake_tensor(cutlass.Float32, (jit.sym(), hkv))
+            cu = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0)
+            if self.transpose:
+                # (H_kv, d, T_pad) storage, T_pad a multiple of 16 (as the dense N_pad).
+                out = jit.fake_tensor(cutlass.Float8E4M3FN, (h, d, jit.sym()), leading_dim=2, divisibility=16)
+            else:
+                out = jit.fake_tensor(cutlass.Float8E4M3FN, (t, h, d), divisibility=16)
+            cu_out = jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0) if self.v_aligned else None
+            return x, signs, amax, out, cu, cutlass.Int32(0), cu_out, jit.fake_stream()
+        b, n = jit.sym(), jit.sym()
+        x = jit.fake_tensor(dt, (b, n, h, d), divisibility=jit.vec_div(dt))
+        amax = jit.fake_tensor(cutlass.Float32, (b, hkv))
+        if self.transpose:
+            # (B, H_kv, d, N_pad) storage, N_pad a multiple of 16 (16-byte rows for the stores
+            # here and for the attention kernel's TMA).
+            out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, h, d, jit.sym()), leading_dim=3, divisibility=16)
+        else:
+            out = jit.fake_tensor(cutlass.Float8E4M3FN, (b, n, h, d), divisibility=16)
+        return x, signs, amax, out, None, cutlass.Int32(0), None, jit.fake_stream()
 
 
-def run_fwd_fp8(q8, k8, v8, q_descale, k_descale, v_descale, out, lse, *, softmax_scale: float,
-                causal: bool = False, window_size: tuple[int, int] = (-1, -1), v_perm: bool = False,
-                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, cu_seqlens_v=None,
-                **overrides) -> None:
-    """Launch the FP8 forward on validated CUDA tensors. Dense: e4m3 ``q8`` / ``k8`` (B, N, H, d)
-    and ``v8`` as ``quant.quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous
-    storage, or with ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order;
-    ``out`` (B, N, H, d) bf16 / fp16, ``lse`` (B, H, N) fp32, descales (B, H_kv). Varlen
-    (``cu_seqlens_q`` / ``_k`` int32 (S + 1,)): q8 (T_q, H, d), k8 (T_k, H_kv, d), v8 and
-    ``cu_seqlens_v`` as ``fp8_ref.v_varlen_aligned`` makes them (each sequence's V starting at a
-    multiple of 16 tokens), out (T_q, H, d), lse (H, T_q), descales (S, H_kv). ``overrides``:
-    config fields (tile sizes, switches) for tuning."""
-    import torch
+# Q / K lanes per row (``QuantizeConfig.lanes_per_row``) by head dim. Measured on the H200 (session 9,
+# ``scripts/bench_fp8.py``, whole quantize of Q, K, V at 2k-16k tokens): d = 128 with 8 lanes per row
+# 234-240 -> 201-207 us (the whole-warp row is bound by its 20 shuffles per row, 8 lanes need 12),
+# d = 64 272 -> 236 us;
+# d = 256 with 8 / 16 lanes 242 -> 257 / 247 us (its rows are long enough that the whole warp is
+# bandwidth-bound, and 8 lanes per row hold 32 values per lane). Head dims not listed keep the
+# whole warp per row until measured. ``QK_LANES_PER_ROW`` (an int) overrides the table, for the
+# benchmarks and the GPU tests.
+QK_LANES_BY_HDIM = {64: 8, 128: 8}
 
-    from cute_flash.fwd import max_seqlen, normalize_window
 
-    if q8.dtype != torch.float8_e4m3fn or k8.dtype != q8.dtype or v8.dtype != q8.dtype:
-        raise TypeError("FP8 forward: q, k, v must be torch.float8_e4m3fn")
-    varlen = cu_seqlens_q is not None
-    if varlen and (cu_seqlens_v is None or cu_seqlens_v.shape != cu_seqlens_k.shape):
-        raise ValueError("FP8 forward: varlen needs V's own 16-aligned offsets (fp8_ref.v_varlen_aligned)")
-    if v_perm:
-        b, nk, hkv, d = k8.shape
-        if varlen or tuple(v8.shape) != (b, hkv, d, (nk + 15) // 16 * 16) or not v8.is_contiguous():
-            raise ValueError("FP8 forward: v_perm expects the contiguous (B, H_kv, d, N_pad) storage "
-                             "quant.quantize_qkv(..., v_perm=True) returns (dense inputs only)")
-        # The kernel reads (B, N_pad, H_kv, d) over it: every stored position, since a token below
-        # N may sit past N in the kernel order (its P is zero where the token is past N).
-        v8 = v8.permute(0, 3, 1, 2)
-    elif v8.stride(-3) != 1 or any(st % 16 for st in v8.stride()[:-3] + v8.stride()[-2:]):
-        # TMA: the token dim contiguous, every other stride a multiple of 16 bytes.
-        raise ValueError("FP8 forward: v must be token-contiguous with 16-byte aligned strides (as "
-                         "quant.quantize_qkv writes it)")
-    causal, local, left, right = normalize_window(causal, window_size)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out.dtype]
-    if q8.device.type == "cuda":
-        from cute_flash.fwd_sm90 import _dense_bnhd, sm_count
+QK_LANES_PER_ROW: int | None = None
 
-        fields = fp8_launch_fields(k8.shape[-3], causal=causal, local=local, num_sms=sm_count(q8.device),
-                                   hdim=q8.shape[-1], varlen=varlen, num_queries=q8.shape[-3],
-                                   pack=q8.shape[-2] // k8.shape[-2], dense_q=varlen or _dense_bnhd(q8))
-        overrides = {**fields, **overrides}
-    if os.environ.get(FP8_P_ENV, "").strip().lower() == "exact":
-        overrides = {"exp_bytes": False, **overrides}
-    cfg = FwdSm90Fp8Config(target=None, dtype=dtype, hdim=q8.shape[-1], hdim_v=v8.shape[-1],
-                           causal=causal, local=local, v_perm=v_perm, varlen=varlen, **overrides)
-    fn = jit.compile_kernel(cfg)
-    mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q8.shape[1]
-    # The tile counter: zeroed per launch for a dynamic persistent grid, else a cached placeholder.
-    (counter,) = cfg.launch_args(q8.device)
-    fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,
-       counter, q_descale, k_descale, v_descale, cu_seqlens_v if varlen else None)
+
+def qk_lanes_per_row(hdim: int) -> int:
+    """Q / K lanes per row the quantize launches use at this head dim."""
+    if QK_LANES_PER_ROW is not None:
+        return QK_LANES_PER_ROW
+    return QK_LANES_BY_HDIM.get(hdim, 32)
+
+
+def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
+                  varlen: bool = False, v_aligned: bool = False,
+                  qk_lanes: int | None = None) -> list[QuantizeConfig]:
+    """Every kernel ``quantize_qkv`` (``varlen``: ``quantize_qkv_varlen``) launches: amax and quant
+    phases for Q / K and for V (``qk_lanes``: Q / K's lanes per row, None = ``qk_lanes_per_row``)."""
+    lanes = qk_lanes_per_row(hdim) if qk_lanes is None else qk_lanes
+    rows = max(64, 16 * 32 // lanes)
+    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=rot, transpose=tr, phase=ph,
+                           v_perm=v_perm and tr and ph == "quant", varlen=varlen,
+                           v_aligned=v_aligned and tr and ph == "quant",
+                           **({} if tr or lanes == 32 else dict(lanes_per_row=lanes, rows=rows)))
+            for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
+
+
+def plan(p: Problem, v_perm: bool = False, overrides: tuple = ()) -> FwdSm90Fp8Config:
+    """The FP8 attention variant of one problem (``v_perm``: V in the kernel's token order, as the
+    ``fp8=True`` path's quantize writes it); ``overrides``: config fields (tuning scripts)."""
+    fields: dict = {}
+    if p.extents_known:
+        fields = fp8_launch_fields(p.max_seqlen_k, causal=p.causal, local=p.local, num_sms=p.num_sms,
+                                   hdim=p.hdim, varlen=p.varlen, num_queries=p.max_seqlen_q,
+                                   pack=p.heads_q // p.heads_kv, dense_q=p.varlen or p.q_dense)
+    return FwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
+                            local=p.local, varlen=p.varlen, v_perm=v_perm, **{**fields, **dict(overrides)})

@@ -1,32 +1,22 @@
-"""Hopper (sm90a) backward: variant configs and a torch-side launcher for the FA3-style main kernel
-in ``cute_flash.hopper.bwd`` (autograd's backward on Hopper where it covers the problem, see
-``bwd.bwd_family``).
+"""sm90a backward configs: the FA3-style main kernels (``hopper/bwd.py`` for d <= 128,
+``hopper/bwd_wide.py`` for d >= 192), the dQ postprocess (``hopper/bwd_postprocess.py``), their
+tables and the plan of one problem.
 
-The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch
-rows); the main kernel adds dQ into the accumulator in its MMA fragment order and
-``FlashBwdPostSm90`` (``hopper/bwd_postprocess.py``) converts it.
+The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch rows);
+the main kernel adds dQ into the accumulator in its MMA fragment order and the sm90 postprocess
+converts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
-import torch
-
-from cute_flash import jit
-from cute_flash.bwd import (
-    BwdPreConfig,
-    alloc_scratch,
-    bwd_main_fake_args,
-    bwd_post_fake_args,
-    pre_threads_per_row,
-    problem_extents,
-)
-from cute_flash.fwd import normalize_window
-from cute_flash.fwd_sm90 import sm_count
-from cute_flash.kernels.tile_scheduler import section_size
+from cute_flash import jit, signatures
+from cute_flash.ampere.bwd_preprocess import pre_threads_per_row
+from cute_flash.ampere.config import BwdPreConfig
+from cute_flash.device.tile_scheduler import section_size
+from cute_flash.problem import Problem
 
 # Scope of the main kernels (see their docstrings): head dims 64, 96, 128, 192 and 256 (= d_v) (GQA, causal,
 # windows, varlen and deterministic mode included); softcap below.
@@ -174,7 +164,7 @@ SM90_BWD_LPT_BALANCED = True
 #   d = 256  232 / 280 | 219 / 261 -> 292 / 366 | 297 / 355 -> 340 / 375 | -   (264 / 285 | 234 / 269)
 # The writer warp orders the adds (``dq_warp`` in deterministic mode too): +24-52% everywhere.
 SM90_BWD_DET_WRITER = True
-# Without masks, the rotated walk (``rotate_m``; ``bwd_math.rotated_add_rank``): key block n starts
+# Without masks, the rotated walk (``rotate_m``; ``scratch.rotated_add_rank``): key block n starts
 # at query block n, so each query block's adders arrive one step apart instead of key block n
 # waiting for n + 1 on every block (N - 1 steps of lag per head). The waits then chain through
 # every key block of a head, so all must be resident at once: the launcher takes it only where a
@@ -381,7 +371,7 @@ class BwdSm90Config(jit.KernelConfig):
             object.__setattr__(self, "rotate_m", rotate)
         if self.rotate_m and self.deterministic and (self.causal or self.local):
             # (Without masks every key block sees every query block, which the rotated add order
-            # -- ``bwd_math.rotated_add_rank`` -- assumes.)
+            # -- ``scratch.rotated_add_rank`` -- assumes.)
             raise ValueError("sm90 backward: deterministic mode takes the rotated walk only without "
                              "causal / window masks")
         if self.lpt and (self.varlen or self.deterministic):
@@ -512,8 +502,9 @@ class BwdSm90Config(jit.KernelConfig):
                                  varlen=self.varlen, stage_smem=self.post_stage_smem)
 
     def fake_args(self) -> tuple:
-        """The sm80 main backward's arguments (``bwd.bwd_main_fake_args``)."""
-        return bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen, self.deterministic)
+        """Every main backward kernel's arguments (``signatures.bwd_main_fake_args``)."""
+        return signatures.bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen,
+                                             self.deterministic)
 
 
 @dataclass(frozen=True)
@@ -534,7 +525,7 @@ class BwdSm90PostConfig(jit.KernelConfig):
         return FlashBwdPostSm90(self)
 
     def fake_args(self) -> tuple:
-        return bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
+        return signatures.bwd_post_fake_args(self.dtype, self.hdim, self.varlen)
 
 
 def long_rows_overrides(problem: dict, max_seqlen_q: int) -> dict:
@@ -558,47 +549,36 @@ def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> b
             and (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n <= num_sms)
 
 
-@functools.lru_cache(maxsize=512)
-def launch_plan(problem: tuple, mq: int, mk: int, heads_q: int, heads_k: int, num_sms: int, dlse: bool,
-                overrides: tuple) -> tuple:
-    """The config and compiled (pre, main, post) kernels of one backward problem, cached: a
-    backward at N = 2k runs in ~0.5 ms, and building the configs and their launch rules again on
-    every call (~0.1-0.2 ms of Python) can leave the GPU waiting for the host."""
-    problem, overrides = dict(target=None, **dict(problem)), dict(overrides)
-    long_rows = {} if "tile_m" in overrides else long_rows_overrides(problem, mq)
-    cfg = BwdSm90Config(**problem, **{**long_rows, **overrides})
-    if cfg.persistent and "num_ctas" not in overrides:
-        cfg = dataclasses.replace(cfg, num_ctas=num_sms)
-    if det_rotate_applies(cfg, mk, num_sms) and "rotate_m" not in overrides:
+def plan(p: Problem, overrides: tuple = ()) -> tuple[BwdPreConfig, BwdSm90Config, BwdSm90PostConfig]:
+    """(preprocess, main, postprocess) of one backward problem: the long-sequence tile, the rotated
+    deterministic order and balanced ``lpt`` sections where their launch rules hold (extents known);
+    ``overrides``: ``BwdSm90Config`` fields as (name, value) pairs (tuning scripts)."""
+    problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
+                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+    fixed = dict(overrides)
+    if not p.extents_known:
+        cfg = BwdSm90Config(target=p.target, **problem, **fixed)
+        return cfg.pre(dlse=p.dlse), cfg, cfg.post()
+    long_rows = {} if "tile_m" in fixed else long_rows_overrides(problem, p.max_seqlen_q)
+    cfg = BwdSm90Config(target=p.target, **problem, **{**long_rows, **fixed})
+    if cfg.persistent and "num_ctas" not in fixed:
+        cfg = dataclasses.replace(cfg, num_ctas=p.num_sms)
+    if det_rotate_applies(cfg, p.max_seqlen_k, p.num_sms) and "rotate_m" not in fixed:
         cfg = dataclasses.replace(cfg, rotate_m=True)
-    if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in overrides
-            and cfg.lpt_last_section_short(mq * (heads_q // heads_k), heads_k)):
+    if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
+            and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)
-    return (cfg, *(jit.compile_kernel(c) for c in (cfg.pre(dlse=dlse), cfg, cfg.post())))
+    return cfg.pre(dlse=p.dlse), cfg, cfg.post()
 
 
-def run_bwd_sm90(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
-                 softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, cu_seqlens_q: torch.Tensor | None = None,
-                 cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                 max_seqlen_k: int | None = None, deterministic: bool = False,
-                 overrides: dict | None = None, dlse: torch.Tensor | None = None) -> None:
-    """Launch the sm90 backward (pre, main, post) on validated CUDA tensors, same layouts as
-    ``bwd.run_bwd`` (which calls it on Hopper); writes ``dq``, ``dk``, ``dv``. ``overrides``:
-    BwdSm90Config fields (tuning scripts)."""
-    causal, local, left, right = normalize_window(causal, window_size)
-    varlen = cu_seqlens_q is not None
-    num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[q.dtype]
-    problem = (("dtype", dtype), ("hdim", q.shape[-1]), ("hdim_v", v.shape[-1]), ("causal", causal),
-               ("local", local), ("softcap", softcap > 0.0), ("varlen", varlen),
-               ("deterministic", deterministic))
-    cfg, pre, main, post = launch_plan(problem, mq, mk, q.shape[-2], k.shape[-2], sm_count(q.device),
-                                       dlse is not None, tuple(sorted((overrides or {}).items())))
-    lse2, dsum, dq_acc, sem = alloc_scratch(q, cfg.tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
-    scale = float(softmax_scale)
-    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
-    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale, float(softcap),
-         left, right, mk)
-    post(dq_acc, dq, cu_seqlens_q, scale, mq)
+def compile_variants(p: Problem) -> list[jit.KernelConfig]:
+    """Every kernel a compile-only problem may launch: its plan, and where the launcher takes
+    another tile at long sequences (``long_rows_overrides``), that tile's kernels too."""
+    configs = list(plan(p))
+    problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
+                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+    long_rows = long_rows_overrides(problem, max_seqlen_q=1 << 30)
+    if long_rows:
+        main = BwdSm90Config(target=p.target, **problem, **long_rows)
+        configs += [c for c in (main.pre(dlse=p.dlse), main, main.post()) if c not in configs]
+    return configs

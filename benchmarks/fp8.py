@@ -18,7 +18,7 @@ import torch
 import triton.testing
 
 from cute_flash import quant
-from cute_flash.fp8_ref import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
+from cute_flash.reference_fp8 import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
 from cute_flash.fwd import run_fwd
 from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv

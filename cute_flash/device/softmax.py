@@ -16,8 +16,8 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_flash.kernels.convert import CODE_UNIT, ceil_f32, exp_code_offset, fma_f32
-from cute_flash.kernels.layout import acc_to_mn
+from cute_flash.device.convert import CODE_UNIT, ceil_f32, exp_code_offset, fma_f32
+from cute_flash.device.layout import acc_to_mn
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -2,7 +2,7 @@
 kernels, where the causal/window mask stops/starts being needed along the query blocks of one
 K/V block, fp32 reductions into global memory and the ordering semaphore of deterministic mode.
 
-Scratch layout (allocated in ``cute_flash.bwd.run_bwd``): LSE*log2(e), D = rowsum(dO*O) and the
+Scratch layout (allocated in ``launch.alloc_scratch``): LSE*log2(e), D = rowsum(dO*O) and the
 dQ accumulator are indexed by a *padded* row: dense inputs pad every (batch, head) to
 ``ceil(Nq / tile_m) * tile_m`` rows; packed (varlen) inputs start batch ``b`` at
 ``(cu_q[b] + b * tile_m) // tile_m * tile_m``, so every batch begins on a tile boundary and no
@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.device.seqlen import SeqlenInfo
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import torch
 from tune_fp8 import parse
 
-from cute_flash.fp8_ref import outlier_qkv
+from cute_flash.reference_fp8 import outlier_qkv
 from cute_flash.fwd_fp8 import run_fwd_fp8
 from cute_flash.quant import quantize_qkv
 from cute_flash.reference import attention_ref

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.device.seqlen import SeqlenInfo
 
 
 class BlockInfo:

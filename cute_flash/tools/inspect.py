@@ -1,22 +1,16 @@
 """Compile a kernel variant without a GPU and report what the compiler made of it.
 
 ``python -m cute_flash inspect --arch sm_80 --kernel fwd --dtype bf16 --hdim 128 [--causal] [--json]``
-prints, per compiled kernel function: counts of the PTX instructions that decide attention performance
-(tensor-core MMAs, async copies, barriers, exponentials, ...), SASS opcode counts from the cubin,
-registers per thread, spill / local-memory bytes, shared memory, and compile time.
+prints, per compiled kernel function: registers per thread, spill / local-memory bytes, shared
+memory, the instructions that decide attention performance (tensor-core MMAs, async copies,
+barriers, exponentials, ...) in PTX and SASS, and compile time.
 
-Why this exists: the device machine is lent in short slots, and most performance bugs (a spill, a
-missing ``ldmatrix``, scalar instead of 16-byte loads, an accidental local array) are visible in the
-compiler output alone. Reading them here costs no device time.
+Why this exists: most performance bugs (a spill, a missing ``ldmatrix``, scalar instead of 16-byte
+loads, an accidental local array) are visible in the compiler output alone, without a GPU.
 
-Which configs a variant compiles comes from a registry keyed by (arch, kernel, family); a kernel
-family plugs in with :func:`register_family`. The default family of an (arch, kernel) is what the
-launchers run on such a GPU: on ``sm_90a`` the forward is the Hopper FA3 kernel (wgmma, TMA,
-mbarrier pipelines, warp specialisation; head dims it lacks fall back to sm80, as in
-``cute_flash.fwd.fwd_family``), and so is the backward (the FA3 one where it covers the variant,
-as in ``cute_flash.bwd.bwd_family``, else the sm80 code compiled for sm_90a). ``--family sm80``
-inspects the sm80 kernels on sm_90a instead (what ``CUTE_FLASH_FWD_KERNEL`` /
-``CUTE_FLASH_BWD_KERNEL=sm80`` run).
+Which configs a variant compiles is ``dispatch.configs_for``: the kernels the launchers run on
+such a GPU (on ``sm_90a`` the Hopper FA3 kernels where they cover the variant, else the sm80 code
+compiled for sm_90a); ``--family sm80`` / ``sm90`` force one family.
 """
 
 from __future__ import annotations
@@ -37,167 +31,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cute_flash import jit
+from cute_flash.dispatch import FAMILIES, Variant, configs_for
 from cute_flash.validate import SUPPORTED_HEAD_DIMS
 
 KERNELS = ("fwd", "bwd")
 DTYPES = ("bf16", "fp16", "e4m3")
-FAMILIES = ("sm80", "sm90")  # "" (the default) = what the launchers run on that arch
-
-# ---------------------------------------------------------------------------------------------
-# Variant description and the (arch, kernel) -> configs registry
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What the user asked for on the command line; a factory turns it into kernel configs."""
-
-    arch: str = "sm_80"
-    kernel: str = "fwd"
-    dtype: str = "bf16"
-    hdim: int = 128
-    hdim_v: int | None = None
-    causal: bool = False
-    local: bool = False
-    softcap: bool = False
-    varlen: bool = False
-    deterministic: bool = False
-    family: str = ""  # "" = the default family of (arch, kernel); else one of FAMILIES
-
-    @property
-    def dv(self) -> int:
-        return self.hdim if self.hdim_v is None else self.hdim_v
-
-    def label(self) -> str:
-        flags = [f for f in ("causal", "local", "softcap", "varlen", "deterministic") if getattr(self, f)]
-        d = f"d{self.hdim}" if self.dv == self.hdim else f"d{self.hdim}x{self.dv}"
-        kernel = f"{self.kernel}[{self.family}]" if self.family else self.kernel
-        return " ".join([self.arch, kernel, self.dtype, d, *flags])
-
-
-ConfigFactory = Callable[[Variant], "list[jit.KernelConfig]"]
-_FAMILIES: dict[tuple[str, str, str], ConfigFactory] = {}
-
-
-def register_family(arch: str, kernel: str, factory: ConfigFactory, family: str = "") -> None:
-    """Make ``factory`` the source of configs for (arch, kernel, family); ``family=""`` is the
-    default one of (arch, kernel). A later call replaces an earlier one."""
-    _FAMILIES[(arch, kernel, family)] = factory
-
-
-def configs_for(variant: Variant) -> list[jit.KernelConfig]:
-    """The kernel configs (one per launched kernel) that make up ``variant``."""
-    factory = _FAMILIES.get((variant.arch, variant.kernel, variant.family))
-    if factory is None:
-        known = ", ".join(f"{a}/{k}" + (f"[{f}]" if f else "") for a, k, f in sorted(_FAMILIES))
-        asked = f"{variant.arch}/{variant.kernel}" + (f"[{variant.family}]" if variant.family else "")
-        raise ValueError(f"no kernel family registered for {asked} (have: {known})")
-    return factory(variant)
-
-
-def _check_dtype(variant: Variant, family: str) -> str:
-    if variant.dtype not in jit.DTYPES:
-        raise ValueError(f"dtype {variant.dtype!r} is not supported by the {family} kernels (have "
-                         f"{sorted(jit.DTYPES)}); no kernel family has an fp8 (e4m3) variant yet")
-    return variant.dtype
-
-
-def _sm80_dtype(variant: Variant) -> str:
-    return _check_dtype(variant, "sm80")
-
-
-def _sm80_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    from cute_flash.fwd import FwdConfig
-
-    return [FwdConfig(target=variant.arch, dtype=_sm80_dtype(variant), hdim=variant.hdim, hdim_v=variant.dv,
-                      causal=variant.causal, local=variant.local, softcap=variant.softcap,
-                      varlen=variant.varlen)]
-
-
-def _sm80_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    # Imported lazily: the backward is written in parallel with this tool and may not exist yet.
-    try:
-        from cute_flash.bwd import bwd_configs
-    except ImportError as e:
-        raise RuntimeError(f"backward configs unavailable (cute_flash.bwd.bwd_configs): {e}") from e
-    return list(bwd_configs(variant.arch, _sm80_dtype(variant), variant.hdim, variant.dv, variant.causal,
-                            variant.local, variant.softcap, variant.varlen, variant.deterministic))
-
-
-def _sm90_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    from cute_flash.fwd_sm90 import FwdSm90Config
-
-    if variant.dtype == "e4m3":
-        return _fp8_fwd_configs(variant)
-    return [FwdSm90Config(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
-                          hdim_v=variant.dv, causal=variant.causal, local=variant.local,
-                          softcap=variant.softcap, varlen=variant.varlen)]
-
-
-def _fp8_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """The ``fp8=True`` path: the quantize-and-rotate kernels for Q / K and V (amax and quant
-    phases, V written in the attention kernel's token order), then the e4m3 attention kernel
-    (bf16 O)."""
-    from dataclasses import replace
-
-    from cute_flash.fwd_fp8 import FwdSm90Fp8Config
-    from cute_flash.quant import quant_configs
-
-    # Packed sequences: V written per sequence from a 16-aligned start, in natural token order.
-    vl = variant.varlen
-    quant = [replace(c, target=variant.arch)
-             for c in quant_configs("bf16", variant.hdim, rotate=True, v_perm=not vl, varlen=vl,
-                                    v_aligned=vl)]
-    return [*quant, FwdSm90Fp8Config(target=variant.arch, dtype="bf16", hdim=variant.hdim, hdim_v=variant.dv,
-                                     causal=variant.causal, local=variant.local, v_perm=not vl, varlen=vl)]
-
-
-def _sm90_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """The FA3-style backward: preprocess, main kernel, postprocess; and where the launcher takes
-    another tile at long sequences (``bwd_sm90.long_rows_overrides``), that tile's three too."""
-    from cute_flash.bwd_sm90 import BwdSm90Config, long_rows_overrides
-
-    problem = dict(target=variant.arch, dtype=_check_dtype(variant, "sm90"), hdim=variant.hdim,
-                   hdim_v=variant.dv, causal=variant.causal, local=variant.local, softcap=variant.softcap,
-                   varlen=variant.varlen, deterministic=variant.deterministic)
-    cfg = BwdSm90Config(**problem)
-    configs = [cfg.pre(), cfg, cfg.post()]
-    long_rows = long_rows_overrides(problem, max_seqlen_q=1 << 30)
-    if long_rows:
-        long_cfg = BwdSm90Config(**problem, **long_rows)
-        configs += [c for c in (long_cfg.pre(), long_cfg, long_cfg.post()) if c not in configs]
-    return configs
-
-
-def _hopper_fwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """What an H100/H200 launches by default: the sm90 forward where it has the head dims, else
-    the sm80 one (``cute_flash.fwd.fwd_family``, auto mode)."""
-    from cute_flash.fwd import sm90_supports
-
-    if sm90_supports(variant.hdim, variant.dv):
-        return _sm90_fwd_configs(variant)
-    return _sm80_fwd_configs(variant)
-
-
-def _hopper_bwd_configs(variant: Variant) -> list[jit.KernelConfig]:
-    """What an H100/H200 launches by default: the sm90 backward where it covers the variant, else
-    the sm80 one (``cute_flash.bwd.bwd_family``, auto mode)."""
-    from cute_flash.bwd_sm90 import sm90_bwd_covers
-
-    covered = sm90_bwd_covers(variant.hdim, variant.dv, variant.softcap)
-    return _sm90_bwd_configs(variant) if covered else _sm80_bwd_configs(variant)
-
-
-for _arch in jit.ARCHS:
-    register_family(_arch, "fwd", _sm80_fwd_configs)
-    register_family(_arch, "fwd", _sm80_fwd_configs, family="sm80")
-    register_family(_arch, "bwd", _sm80_bwd_configs)
-    register_family(_arch, "bwd", _sm80_bwd_configs, family="sm80")
-register_family("sm_90a", "bwd", _hopper_bwd_configs)
-register_family("sm_90a", "fwd", _hopper_fwd_configs)
-register_family("sm_90a", "fwd", _sm90_fwd_configs, family="sm90")
-register_family("sm_90a", "bwd", _sm90_bwd_configs, family="sm90")
-
 
 # ---------------------------------------------------------------------------------------------
 # PTX
@@ -899,7 +737,7 @@ def main(args: Any) -> int:
     return 0
 
 
-__all__ = ["Variant", "register_family", "configs_for", "inspect_variant", "inspect_many", "mix_table",
+__all__ = ["Variant", "configs_for", "inspect_variant", "inspect_many", "mix_table",
            "format_report", "compile_config", "report_config", "ptx_opcodes", "ptx_instructions", "count_ptx",
            "sass_opcodes", "count_sass", "resource_usage", "parse_res_usage", "parse_ptxas_remarks",
            "dynamic_smem_from_ir"]

@@ -9,8 +9,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from cute_flash.kernels.layout import acc_to_mn
-from cute_flash.kernels.seqlen import SeqlenInfo
+from cute_flash.device.layout import acc_to_mn
+from cute_flash.device.seqlen import SeqlenInfo
 
 
 class AttentionMask:

@@ -1,0 +1,204 @@
+"""The one place that decides which kernel family runs a problem and which kernel configs it
+launches: the launchers, the inspect tool and the tests all ask here.
+
+Families: ``sm80`` (FlashAttention-2, any sm80+ GPU), ``sm90`` (FlashAttention-3 with wgmma, TMA
+and warp specialisation, Hopper only) and ``fp8`` (the e4m3 forward, Hopper only). By default a
+Hopper GPU takes the sm90 kernels wherever they cover the problem; ``CUTE_FLASH_FWD_KERNEL`` /
+``CUTE_FLASH_BWD_KERNEL`` (``auto``, ``sm80``, ``sm90``; read at every call) force a family.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cute_flash import jit
+from cute_flash.ampere import config as sm80
+from cute_flash.hopper import bwd_config as sm90_bwd
+from cute_flash.hopper import fp8_config as fp8
+from cute_flash.hopper import fwd_config as sm90_fwd
+from cute_flash.problem import Problem
+from cute_flash.validate import SUPPORTED_HEAD_DIMS
+
+FWD_KERNEL_ENV = "CUTE_FLASH_FWD_KERNEL"
+BWD_KERNEL_ENV = "CUTE_FLASH_BWD_KERNEL"
+FAMILY_CHOICES = ("auto", "sm80", "sm90")
+FAMILIES = ("sm80", "sm90")
+
+
+def _choice(env: str) -> str:
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in FAMILY_CHOICES:
+        raise ValueError(f"{env} must be one of {', '.join(FAMILY_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def is_hopper(arch: str) -> bool:
+    return arch.startswith("sm_90")
+
+
+def sm90_fwd_supports(hdim: int, hdim_v: int) -> bool:
+    """Whether the sm90 forward has a tile configuration for these head dims."""
+    return max(hdim, hdim_v) in sm90_fwd.SM90_FWD_TILES
+
+
+def fwd_family(arch: str, hdim: int | None = None, hdim_v: int | None = None) -> str:
+    """``sm80`` or ``sm90``: the forward kernels for a GPU of ``arch``.
+
+    ``CUTE_FLASH_FWD_KERNEL``: ``auto`` takes the sm90 family on Hopper where it has the head dims
+    (``hdim=None`` skips that check) and the sm80 family elsewhere; ``sm80`` forces FA2 (on any
+    sm80+ GPU); ``sm90`` forces FA3 and raises ``ValueError`` on a GPU that is not Hopper.
+    """
+    choice = _choice(FWD_KERNEL_ENV)
+    if choice == "sm80":
+        return "sm80"
+    if not is_hopper(arch):
+        if choice == "sm90":
+            raise ValueError(f"{FWD_KERNEL_ENV}=sm90: the sm90 forward (wgmma, TMA) needs a Hopper GPU "
+                             f"(compute capability 9.x); this one is {arch}. Use sm80 or auto.")
+        return "sm80"
+    if choice == "auto" and hdim is not None:
+        if not sm90_fwd_supports(hdim, hdim if hdim_v is None else hdim_v):
+            return "sm80"
+    return "sm90"
+
+
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
+    """Whether the sm90 backward runs this problem: by default only what has passed the GPU suite,
+    when forced everything it compiles."""
+    return sm90_bwd.sm90_bwd_covers(hdim, hdim_v, softcap, forced=forced)
+
+
+def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool) -> str:
+    """``sm80`` or ``sm90``: the backward kernels for a GPU of ``arch``.
+
+    ``CUTE_FLASH_BWD_KERNEL``: ``auto`` takes the FA3 backward on Hopper where it covers the
+    problem (head dims 64 / 96 / 128 / 192 / 256 with d_v = d, and (192, 128)) and FA2 elsewhere;
+    ``sm80`` forces FA2; ``sm90`` forces FA3, raising ``ValueError`` where it does not apply.
+    """
+    choice = _choice(BWD_KERNEL_ENV)
+    if choice == "sm80":
+        return "sm80"
+    if is_hopper(arch) and sm90_bwd_covers(hdim, hdim_v, softcap, forced=choice == "sm90"):
+        return "sm90"
+    if choice == "sm90":
+        raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward needs a Hopper GPU, a head dim in "
+                         f"{sm90_bwd.SM90_BWD_HDIMS} with d_v = d, softcap at d in "
+                         f"{sm90_bwd.SM90_BWD_SOFTCAP_HDIMS} only (got {arch}, d={hdim}, d_v={hdim_v}, "
+                         f"softcap={softcap})")
+    return "sm80"
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs of a problem
+# ---------------------------------------------------------------------------------------------
+def fwd_config(p: Problem, family: str) -> jit.KernelConfig:
+    """The forward kernel of ``family`` for problem ``p``."""
+    return sm90_fwd.plan(p) if family == "sm90" else sm80.fwd_plan(p)
+
+
+def bwd_configs(p: Problem, family: str, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
+    """(preprocess, main, postprocess) of ``family`` for problem ``p``; ``overrides``: sm90 main
+    config fields as (name, value) pairs (tuning scripts)."""
+    if p.hdim not in SUPPORTED_HEAD_DIMS or p.hdim_v not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims must be in {SUPPORTED_HEAD_DIMS}, got {p.hdim}/{p.hdim_v}")
+    if family == "sm90":
+        return sm90_bwd.plan(p, overrides)
+    if overrides:
+        raise ValueError("config overrides are for the sm90 backward")
+    return sm80.bwd_plan(p)
+
+
+def fp8_fwd_config(p: Problem, v_perm: bool, overrides: tuple = ()) -> jit.KernelConfig:
+    """The FP8 attention kernel for problem ``p`` (``v_perm``: V in the kernel's token order)."""
+    return fp8.plan(p, v_perm=v_perm, overrides=overrides)
+
+
+def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,
+                  v_aligned: bool = False) -> list[jit.KernelConfig]:
+    """The quantize kernels of ``quantize_qkv`` (amax and quant phases for Q / K, then for V)."""
+    return fp8.quant_configs(dtype, hdim, rotate, v_perm=v_perm, varlen=varlen, v_aligned=v_aligned)
+
+
+def relayout_v_config(hdim: int, v_perm: bool, varlen: bool) -> jit.KernelConfig:
+    """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout."""
+    return fp8.QuantizeConfig(target=None, dtype="e4m3", hdim=hdim, rotate=False, transpose=True,
+                              phase="quant", v_perm=v_perm, varlen=varlen, v_aligned=varlen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants: what a user can ask for, by name (the inspect tool, the SASS manifest)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    """A compile-only problem as the command line names it; ``configs_for`` turns it into the
+    kernel configs the launchers would run."""
+
+    arch: str = "sm_80"
+    kernel: str = "fwd"  # "fwd" or "bwd"
+    dtype: str = "bf16"  # "bf16", "fp16", or "e4m3" (the FP8 forward)
+    hdim: int = 128
+    hdim_v: int | None = None
+    causal: bool = False
+    local: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    deterministic: bool = False
+    family: str = ""  # "" = what the launchers run on ``arch``; else one of FAMILIES
+
+    @property
+    def dv(self) -> int:
+        return self.hdim if self.hdim_v is None else self.hdim_v
+
+    def label(self) -> str:
+        flags = [f for f in ("causal", "local", "softcap", "varlen", "deterministic") if getattr(self, f)]
+        d = f"d{self.hdim}" if self.dv == self.hdim else f"d{self.hdim}x{self.dv}"
+        kernel = f"{self.kernel}[{self.family}]" if self.family else self.kernel
+        return " ".join([self.arch, kernel, self.dtype, d, *flags])
+
+    def problem(self, dtype: str | None = None) -> Problem:
+        return Problem(target=self.arch, dtype=dtype or self.dtype, hdim=self.hdim, hdim_v=self.dv,
+                       causal=self.causal, local=self.local, softcap=self.softcap, varlen=self.varlen,
+                       deterministic=self.deterministic)
+
+
+def _variant_family(v: Variant) -> str:
+    if v.family not in ("", *FAMILIES):
+        raise ValueError(f"family must be one of {FAMILIES}, got {v.family!r}")
+    if v.family == "sm90" and not is_hopper(v.arch):
+        raise ValueError(f"the sm90 kernels compile for sm_90a only, not {v.arch}")
+    if v.family:
+        return v.family
+    if not is_hopper(v.arch):
+        return "sm80"
+    if v.kernel == "fwd":
+        return "sm90" if sm90_fwd_supports(v.hdim, v.dv) else "sm80"
+    return "sm90" if sm90_bwd_covers(v.hdim, v.dv, v.softcap) else "sm80"
+
+
+def configs_for(v: Variant) -> list[jit.KernelConfig]:
+    """The kernel configs (one per launched kernel) that make up variant ``v``."""
+    if v.kernel not in ("fwd", "bwd"):
+        raise ValueError(f"kernel must be fwd or bwd, got {v.kernel!r}")
+    if v.dtype == "e4m3":
+        if v.kernel != "fwd" or not is_hopper(v.arch):
+            raise ValueError("the e4m3 (FP8) kernels are a Hopper forward")
+        # The ``fp8=True`` path: quantize-and-rotate Q / K and V, then the e4m3 attention kernel.
+        # Packed sequences write V per sequence from a 16-aligned start, in natural token order.
+        quant = [_retarget(c, v.arch) for c in quant_configs("bf16", v.hdim, rotate=True, v_perm=not v.varlen,
+                                                               varlen=v.varlen, v_aligned=v.varlen)]
+        return [*quant, fp8_fwd_config(v.problem("bf16"), v_perm=not v.varlen)]
+    if v.dtype not in jit.DTYPES:
+        raise ValueError(f"dtype {v.dtype!r} is not supported (have {sorted(jit.DTYPES)} and e4m3)")
+    family = _variant_family(v)
+    if v.kernel == "fwd":
+        return [fwd_config(v.problem(), family)]
+    if family == "sm90":
+        return sm90_bwd.compile_variants(v.problem())
+    return list(bwd_configs(v.problem(), family))
+
+
+def _retarget(cfg: jit.KernelConfig, arch: str) -> jit.KernelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, target=arch)

@@ -1,0 +1,385 @@
+"""Launchers: validated CUDA tensors in, kernels launched on torch's current stream, outputs written
+in place. One launcher per direction whatever the family (``dispatch`` picks it): every forward
+kernel shares one call signature, every backward its pre / main / post signatures
+(``signatures.py``). The FP8 forward and its quantize kernels go through here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from cute_flash import dispatch, formats, jit, validate
+from cute_flash.formats import E4M3_MAX, FP8
+from cute_flash.memo import HostMemo
+from cute_flash.problem import Problem
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Problem extents and devices
+# ---------------------------------------------------------------------------------------------
+def max_seqlen(cu: Tensor, given: int | None) -> int:
+    """The longest sequence of packed inputs: ``given``, or read from cu_seqlens (a host sync)."""
+    if given is not None:
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[bool, bool, int, int]:
+    """(causal, local, left, right) as the kernels want them: -1 means unbounded on that side;
+    a causal mask is the window (left, 0); a window unbounded on both sides is no window."""
+    left, right = (int(window_size[0]), int(window_size[1]))
+    if causal:
+        right = 0
+    left = -1 if left < 0 else left
+    right = -1 if right < 0 else right
+    local = (left >= 0 or right >= 0) and not (causal and left < 0)
+    if local:
+        causal = False
+    return causal, local, left, right
+
+
+def problem_extents(q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                    max_seqlen_q: int | None, max_seqlen_k: int | None) -> tuple[int, int, int, int]:
+    """(batches, query rows of the tensors, longest query sequence, longest key sequence)."""
+    if cu_seqlens_q is not None:
+        return (cu_seqlens_q.shape[0] - 1, q.shape[0], max_seqlen(cu_seqlens_q, max_seqlen_q),
+                max_seqlen(cu_seqlens_k, max_seqlen_k))
+    return q.shape[0], q.shape[1], q.shape[1], k.shape[1]
+
+
+_SM_COUNT: dict[int, int] = {}
+_PLACEHOLDER: dict[torch.device, Tensor] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+@functools.cache
+def _smem_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def dense_bnhd(t: Tensor) -> bool:
+    _, n, h, d = t.shape
+    return tuple(t.stride()) == (n * h * d, h * d, d, 1)
+
+
+def tile_counter(cfg: jit.KernelConfig, device: torch.device) -> Tensor:
+    """The sm90 forward's tile counter: zeroed for this launch when tiles are claimed dynamically
+    (one int32 memset), else a placeholder never read."""
+    if cfg.dynamic_tiles and cfg.num_ctas > 0 and not cfg.varlen:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if device not in _PLACEHOLDER:
+        _PLACEHOLDER[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _PLACEHOLDER[device]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+# Config and compiled kernel by everything they depend on: building a config (a frozen dataclass
+# with its checks) costs ~25-35 us of host time, once per training step per attention call otherwise.
+_FWD_KERNELS = HostMemo(512)
+
+
+def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, softcap: float,
+                varlen: bool) -> tuple[jit.KernelConfig, object]:
+    key = (family, q.dtype, tuple(q.shape), q.stride(), tuple(v.shape), v.stride(), q.device,
+           causal, local, softcap > 0.0, varlen)
+    hit = _FWD_KERNELS.get(key)
+    if hit is None:
+        dense_cuda = not varlen and q.device.type == "cuda"
+        p = Problem(target=None, dtype=formats.dtype_name(q.dtype), hdim=q.shape[-1], hdim_v=v.shape[-1],
+                    causal=causal, local=local, softcap=softcap > 0.0, varlen=varlen,
+                    max_seqlen_q=q.shape[1] if dense_cuda else None,
+                    max_seqlen_k=v.shape[1] if dense_cuda else None,
+                    heads_q=q.shape[-2], heads_kv=v.shape[-2],
+                    num_sms=sm_count(q.device) if dense_cuda else 132,
+                    q_dense=dense_cuda and dense_bnhd(q))
+        cfg = dispatch.fwd_config(p, family)
+        hit = (cfg, jit.compile_kernel(cfg))
+        _FWD_KERNELS.put(key, hit)
+    return hit
+
+
+def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float,
+            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+            max_seqlen_q: int | None = None, family: str | None = None) -> None:
+    """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place.
+
+    q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
+    lse (B, H, Nq) | (H, Tq) float32. ``family``: ``sm80`` / ``sm90``, None = ``dispatch.fwd_family``.
+    """
+    if family is None:
+        family = dispatch.fwd_family(jit.resolve_arch(q.device), q.shape[-1], v.shape[-1])
+    if family == "sm90":
+        # Broadcast inputs (stride 0 on a dim of extent > 1, e.g. K/V expanded over heads) are not
+        # a layout the TMA descriptors were checked with: materialise them rather than risk it.
+        q, k, v = (t.contiguous() if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+                   else t for t in (q, k, v))
+    causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    cfg, fn = _fwd_kernel(q, v, family, causal, local, softcap, varlen)
+    mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q.shape[1]
+    extra = (tile_counter(cfg, q.device),) if family == "sm90" else ()
+    fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
+       float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=512)
+def _bwd_kernels(p: Problem, family: str, overrides: tuple) -> tuple:
+    """The main config and the compiled (pre, main, post) kernels of one backward problem, cached:
+    a backward at N = 2k runs in ~0.5 ms, and building the configs and their launch rules on every
+    call (~0.1-0.2 ms of Python) can leave the GPU waiting for the host."""
+    pre, main, post = dispatch.bwd_configs(p, family, overrides)
+    return (main, *(jit.compile_kernel(c) for c in (pre, main, post)))
+
+
+def alloc_scratch(q: Tensor, tile_m: int, hdim: int, deterministic: bool, num_batch: int, rows: int,
+                  varlen: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """fp32 LSE*log2e, D, dQ accumulator and (deterministic) int32 semaphores, per padded row
+    (``device/scratch.py``). Contents are written by the preprocess: no memset."""
+    tm, h, d = tile_m, q.shape[-2], hdim
+    dev = q.device
+    if varlen:
+        # Batch b starts at padded row (cu_q[b] + b*tm) // tm * tm; the last one ends before
+        # (total + B*tm) // tm * tm. One spare tile keeps the bound obvious.
+        npad = (rows // tm + num_batch + 1) * tm
+        lead = (h,)
+    else:
+        npad = (rows + tm - 1) // tm * tm
+        lead = (num_batch, h)
+    lse2 = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
+    dsum = torch.empty(*lead, npad, dtype=torch.float32, device=dev)
+    dq_acc = torch.empty(*lead, npad * d, dtype=torch.float32, device=dev)
+    sem = torch.empty(*lead, npad // tm, dtype=torch.int32, device=dev) if deterministic else None
+    return lse2, dsum, dq_acc, sem
+
+
+def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor, dk: Tensor,
+            dv: Tensor, *, softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
+            softcap: float = 0.0, deterministic: bool = False, cu_seqlens_q: Tensor | None = None,
+            cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None, dlse: Tensor | None = None, family: str | None = None,
+            overrides: dict | None = None) -> None:
+    """Launch the backward (pre, main, post) on validated CUDA tensors; writes ``dq``, ``dk``, ``dv``.
+
+    q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
+    (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key; ``dlse``: the LSE output's
+    gradient (float32, lse's shape, contiguous), or None. ``family``: None = ``dispatch.bwd_family``;
+    ``overrides``: sm90 main config fields (tuning scripts).
+    """
+    if v.shape[-1] > q.shape[-1]:
+        # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
+        raise ValueError(f"the backward needs v's head dim <= q's head dim, got v {v.shape[-1]} > "
+                         f"q {q.shape[-1]} (the forward supports it)")
+    causal, local, left, right = normalize_window(causal, window_size)
+    varlen = cu_seqlens_q is not None
+    num_batch, rows_q, mq, mk = problem_extents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if num_batch == 0 or q.shape[-2] == 0 or mq == 0 or mk == 0:
+        # Nothing to attend: every gradient is zero (and a zero-sized grid cannot launch).
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    arch = jit.resolve_arch(q.device)
+    if family is None:
+        family = dispatch.bwd_family(arch, q.shape[-1], v.shape[-1], softcap > 0.0)
+    base = dict(dtype=formats.dtype_name(q.dtype), hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
+                local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
+                dlse=dlse is not None)
+    if family == "sm90":
+        p = Problem(target=None, **base, max_seqlen_q=mq, max_seqlen_k=mk, heads_q=q.shape[-2],
+                    heads_kv=k.shape[-2], num_sms=sm_count(q.device))
+    else:
+        p = Problem(target=arch, **base)
+    cfg, pre, main, post = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
+    if family == "sm80":
+        need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if need > _smem_optin(index):
+            raise NotImplementedError(f"sm80 backward tiles for hdim {cfg.hdim}/{cfg.hdim_v} need {need} B "
+                                      "of shared memory per block, more than this GPU offers")
+    tile_m = cfg.tiles.tile_m if family == "sm80" else cfg.tile_m
+    lse2, dsum, dq_acc, sem = alloc_scratch(q, tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
+    scale = float(softmax_scale)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,
+         float(softcap) if softcap > 0 else 0.0, left, right, mk)
+    post(dq_acc, dq, cu_seqlens_q, scale, mq)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 forward
+# ---------------------------------------------------------------------------------------------
+# "exact": P by the MUFU's exponential and an e4m3 conversion (round to nearest) wherever the
+# default takes its codes from the FFMA (``exp_bytes``: ~15% faster at d = 128, P's rounding up to
+# one code off). Read at every call.
+FP8_P_ENV = "CUTE_FLASH_FP8_P"
+
+
+def run_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
+                out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool = False,
+                window_size: tuple[int, int] = (-1, -1), v_perm: bool = False,
+                cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+                max_seqlen_q: int | None = None, cu_seqlens_v: Tensor | None = None, **overrides) -> None:
+    """Launch the FP8 forward on validated CUDA tensors. Dense: e4m3 ``q8`` / ``k8`` (B, N, H, d)
+    and ``v8`` as ``quantize_qkv`` returns it -- (B, N_k, H_kv, d) over token-contiguous storage,
+    or with ``v_perm`` the (B, H_kv, d, N_pad) storage in the kernel's token order; ``out``
+    (B, N, H, d) bf16 / fp16, ``lse`` (B, H, N) fp32, descales (B, H_kv). Varlen (``cu_seqlens_q``
+    / ``_k`` int32 (S + 1,)): q8 (T_q, H, d), k8 (T_k, H_kv, d), v8 and ``cu_seqlens_v`` as
+    ``formats.v_varlen_aligned`` makes them (each sequence's V starting at a multiple of 16 tokens),
+    out (T_q, H, d), lse (H, T_q), descales (S, H_kv). ``overrides``: config fields (tuning)."""
+    varlen = cu_seqlens_q is not None
+    v8 = validate.check_fp8_kernel_v(q8, k8, v8, v_perm=v_perm, varlen=varlen, cu_seqlens_k=cu_seqlens_k,
+                                     cu_seqlens_v=cu_seqlens_v)
+    causal, local, left, right = normalize_window(causal, window_size)
+    on_gpu = q8.device.type == "cuda"
+    p = Problem(target=None, dtype=formats.dtype_name(out.dtype), hdim=q8.shape[-1], hdim_v=v8.shape[-1],
+                causal=causal, local=local, varlen=varlen,
+                max_seqlen_q=q8.shape[-3] if on_gpu else None, max_seqlen_k=k8.shape[-3] if on_gpu else None,
+                heads_q=q8.shape[-2], heads_kv=k8.shape[-2], num_sms=sm_count(q8.device) if on_gpu else 132,
+                q_dense=varlen or dense_bnhd(q8))
+    if os.environ.get(FP8_P_ENV, "").strip().lower() == "exact":
+        overrides = {"exp_bytes": False, **overrides}
+    cfg = dispatch.fp8_fwd_config(p, v_perm=v_perm, overrides=tuple(sorted(overrides.items())))
+    fn = jit.compile_kernel(cfg)
+    mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q8.shape[1]
+    fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,
+       tile_counter(cfg, q8.device), q_descale, k_descale, v_descale, cu_seqlens_v if varlen else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 quantize (Q, K rotated; V token-contiguous) and V re-layout
+# ---------------------------------------------------------------------------------------------
+_SIGNS: dict[tuple, Tensor] = {}
+
+
+def _signs(d: int, seed: int, device: torch.device) -> Tensor:
+    """The rotation's +-1 diagonal on the device, made once per (d, seed, device) rather than
+    drawn and copied on every call."""
+    key = (d, int(seed), device)
+    if key not in _SIGNS:
+        _SIGNS[key] = formats.hadamard_signs(d, seed).to(device)
+    return _SIGNS[key]
+
+
+def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, rotate: bool = True, seed: int = 0,
+                 v_perm: bool = False) -> tuple[Tensor, ...]:
+    """(q8, k8, v8, q_descale, k_descale, v_descale), as ``reference_fp8.quantize_qkv_ref``: Q and K
+    rotated by D H / sqrt(d) (``rotate``), e4m3 with per-(batch, kv head) scales, v8 of shape
+    (B, N, H_kv, d) over sequence-contiguous (B, H_kv, d, N_pad) storage (padding zeroed), or
+    with ``v_perm`` that storage itself, tokens in the FP8 kernel's order."""
+    validate.check_quantize_inputs(q, k, v, varlen=False)
+    b, _, _, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    # Three separate buffers, not one (3, B, H_kv): the descales are returned, and outputs of a
+    # custom op must not alias one another.
+    amax = [torch.zeros(b, hkv, device=q.device, dtype=torch.float32) for _ in range(3)]
+    signs = _signs(d, seed, q.device)
+    q8, k8 = torch.empty_like(q, dtype=FP8), torch.empty_like(k, dtype=FP8)
+    v_store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=q.device, dtype=FP8)
+    cfgs = dispatch.quant_configs(formats.dtype_name(q.dtype), d, rotate, v_perm)
+    qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
+    for i, (x, out) in enumerate(((q, q8), (k, k8))):
+        qk_amax(x, signs, amax[i], out, None, 0, None)
+    v_amax(v, signs, amax[2], v_store, None, 0, None)
+    for i, (x, out) in enumerate(((q, q8), (k, k8))):
+        qk_quant(x, signs, amax[i], out, None, 0, None)
+    v_quant(v, signs, amax[2], v_store, None, 0, None)
+    v8 = v_store if v_perm else v_store[..., :nk].permute(0, 3, 1, 2)
+    return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
+
+
+def quantize_qkv_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, rotate: bool = True, seed: int = 0,
+                        v_aligned: bool = False) -> tuple[Tensor, ...]:
+    """``quantize_qkv`` on packed sequences, as ``reference_fp8.quantize_qkv_varlen_ref``: q (T_q, H,
+    d), k, v (T_k, H_kv, d); sequence s is rows cu[s]:cu[s + 1] (cu_seqlens checked by the op).
+    Returns q8 (T_q, H, d), k8 (T_k, H_kv, d) contiguous e4m3, v8 a (T_k, H_kv, d) view over
+    token-contiguous (H_kv, d, T_k_pad) storage (natural order, padding zeroed), and fp32
+    (S, H_kv) descales, one scale per (sequence, kv head). ``v_aligned``: v8 is instead
+    ``formats.v_varlen_aligned``'s (T_v, H_kv, d) view, every sequence from a 16-aligned start --
+    the varlen FP8 kernel's V, written once instead of re-laid after."""
+    num_seqs = validate.check_quantize_inputs(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                              max_seqlen_k=max_seqlen_k)
+    d = q.shape[2]
+    tk, hkv = k.shape[0], k.shape[1]
+    amax = [torch.zeros(num_seqs, hkv, device=q.device, dtype=torch.float32) for _ in range(3)]
+    signs = _signs(d, seed, q.device)
+    q8 = torch.empty(q.shape, device=q.device, dtype=FP8)
+    k8 = torch.empty(k.shape, device=q.device, dtype=FP8)
+    cu_v = None
+    if v_aligned:
+        cu_v, t_v = formats.varlen_v_offsets(cu_seqlens_k, tk)
+        # Zeroed: the slack past the last sequence's chunks (T_v is a bound) is not written.
+        v_store = torch.zeros(hkv, d, t_v, device=q.device, dtype=FP8)
+    else:
+        # Not zeroed: every byte, the padding tokens T_k .. T_k_pad - 1 included, is written by
+        # the kernel (the CTA holding the last token writes the padding).
+        v_store = torch.empty(hkv, d, (tk + 15) // 16 * 16, device=q.device, dtype=FP8)
+    cfgs = dispatch.quant_configs(formats.dtype_name(q.dtype), d, rotate, varlen=True, v_aligned=v_aligned)
+    qk_amax, qk_quant, v_amax, v_quant = (jit.compile_kernel(c) for c in cfgs)
+    q_args = (q, q8, amax[0], cu_seqlens_q, max_seqlen_q, None)
+    k_args = (k, k8, amax[1], cu_seqlens_k, max_seqlen_k, None)
+    v_args = (v, v_store, amax[2], cu_seqlens_k, max_seqlen_k, None)
+    runs = ((qk_amax, q_args), (qk_amax, k_args), (v_amax, v_args),
+            (qk_quant, q_args), (qk_quant, k_args), (v_quant, v_args[:-1] + (cu_v,)))
+    for fn, (x, out, a, cu, max_len, cu_out) in runs:
+        # A grid with no CTAs is no launch: with no (non-empty) sequence, nothing runs and the
+        # descales stay 0.
+        if num_seqs and max_len:
+            fn(x, signs, a, out, cu, max_len, cu_out)
+    v8 = (v_store if v_aligned else v_store[..., :tk]).permute(2, 0, 1)
+    return q8, k8, v8, *(a.div_(E4M3_MAX) for a in amax)
+
+
+def relayout_v(v8: Tensor, v_perm: bool = True) -> Tensor:
+    """A caller's e4m3 V (B, N, H_kv, d) -> the (B, H_kv, d, N_pad) token-contiguous storage the
+    FP8 P V product reads (``v_perm``: in the kernel's token order; else natural), bit for bit,
+    padding zeros: the V quantize kernel with scale 1 (e4m3 -> fp32 -> e4m3 is exact), whose smem
+    transpose writes 16 tokens per store (a torch byte permute runs at ~90 GB/s)."""
+    validate.check_relayout_v(v8, varlen=False)
+    b, nk, hkv, d = v8.shape
+    if v8.stride(-1) != 1 or any(st % 16 for st in v8.stride()[:-1]):
+        v8 = v8.contiguous()  # 16-byte rows for the kernel's vector loads
+    store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=v8.device, dtype=v8.dtype)
+    unit = torch.full((b, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+    cfg = dispatch.relayout_v_config(d, v_perm=v_perm, varlen=False)
+    jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, None, 0, None)
+    return store
+
+
+def relayout_v_varlen(v8: Tensor, cu_seqlens_k: Tensor, max_seqlen_k: int) -> tuple[Tensor, Tensor]:
+    """``formats.v_varlen_aligned`` by the V quantize kernel at scale 1 (e4m3 in, 16-byte stores):
+    a caller's packed e4m3 V (T, H_kv, d) -> (a (T_v, H_kv, d) view over token-contiguous
+    (H_kv, d, T_v) storage with every sequence 16-aligned, cu_seqlens_v). cu_seqlens_k must have
+    been checked."""
+    validate.check_relayout_v(v8, varlen=True)
+    t, hkv, d = v8.shape
+    if v8.stride(-1) != 1 or any(st % 16 for st in v8.stride()[:-1]):
+        v8 = v8.contiguous()
+    cu_v, t_v = formats.varlen_v_offsets(cu_seqlens_k, t)
+    # Zeroed: the kernel writes every sequence's chunks whole, but not the slack past the last one
+    # (T_v is a bound, no host sync), which the attention kernel's last V box may read.
+    store = torch.zeros(hkv, d, t_v, device=v8.device, dtype=v8.dtype)
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    if num_seqs and max_seqlen_k and t:
+        unit = torch.full((num_seqs, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+        cfg = dispatch.relayout_v_config(d, v_perm=False, varlen=True)
+        jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, cu_seqlens_k, max_seqlen_k, cu_v)
+    return store.permute(2, 0, 1), cu_v

@@ -1,0 +1,1 @@
+"""Contributor tools: compile-and-report without a GPU (``inspect``)."""
