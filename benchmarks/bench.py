@@ -76,7 +76,7 @@ def _ours() -> Fwd:
 @contextlib.contextmanager
 def _fwd_kernel(family: str):
     """``CUTE_FLASH_FWD_KERNEL=family`` for the duration (the launcher reads it at each call)."""
-    from cute_flash.fwd import FWD_KERNEL_ENV
+    from cute_flash.dispatch import FWD_KERNEL_ENV
 
     old = os.environ.get(FWD_KERNEL_ENV)
     os.environ[FWD_KERNEL_ENV] = family
@@ -434,8 +434,8 @@ def ablation_table(recs: list[dict[str, Any]]) -> str:
 def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool) -> list[dict[str, Any]]:
     """The four (pingpong, overlap) variants on one problem, fresh inputs, one SDPA-flash reference."""
     from cute_flash import jit
-    from cute_flash.fwd import normalize_window
-    from cute_flash.fwd_sm90 import FwdSm90Config
+    from cute_flash.hopper.fwd_config import FwdSm90Config
+    from cute_flash.launch import normalize_window
 
     d, n = ABLATION_HDIM, ABLATION_SEQLEN
     # What the public API runs for this mask (masked variants have their own table entry).

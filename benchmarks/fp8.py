@@ -17,14 +17,12 @@ import traceback
 import torch
 import triton.testing
 
-from cute_flash import quant
-from cute_flash.reference_fp8 import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
-from cute_flash.fwd import run_fwd
-from cute_flash.fwd_fp8 import run_fwd_fp8
-from cute_flash.quant import quantize_qkv
+from cute_flash.hopper import fp8_config
+from cute_flash.launch import quantize_qkv, run_fwd, run_fwd_fp8
 from cute_flash.reference import attention_ref
+from cute_flash.reference_fp8 import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
 
-# Q / K lanes per row tried beside the default (``quant.qk_lanes_per_row``); --qk-lanes.
+# Q / K lanes per row tried beside the default (``fp8_config.qk_lanes_per_row``); --qk-lanes.
 QK_LANES: list[int] = []
 
 
@@ -65,19 +63,23 @@ def quant_speed(d: int, n: int) -> None:
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     moved = 3 * q.numel() * (2 + 2 + 1)  # two bf16 reads (amax, quant) and one e4m3 write each
     ideal = 3 * q.numel() * (2 + 1)
-    default = quant.qk_lanes_per_row(d)
+    default = fp8_config.qk_lanes_per_row(d)
     # Q / K with fewer lanes per row (several rows per warp, fewer shuffle rounds), interleaved
     # with the default so both see the same clocks.
     options = [default, *(x for x in QK_LANES if x != default and d // x >= 2)]
-    override = quant.QK_LANES_PER_ROW
+    table = fp8_config.QK_LANES_BY_HDIM
+    saved = table.get(d)
     times: dict[int, list[float]] = {x: [] for x in options}
     try:
         for r in range(3):
             for x in options[r % len(options):] + options[:r % len(options)]:
-                quant.QK_LANES_PER_ROW = x
+                table[d] = x
                 times[x].append(bench(lambda: quantize_qkv(q, k, v, rotate=True)))
     finally:
-        quant.QK_LANES_PER_ROW = override
+        if saved is None:
+            table.pop(d, None)
+        else:
+            table[d] = saved
     for x in options:
         ms = statistics.median(times[x])
         print(f"quantize d={d} N={n} qk_lanes={x}: {ms * 1e3:.0f} us, {moved / ms / 1e6:.0f} GB/s moved "

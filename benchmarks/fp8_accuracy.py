@@ -12,10 +12,9 @@ import math
 import torch
 from tune_fp8 import parse
 
-from cute_flash.reference_fp8 import outlier_qkv
-from cute_flash.fwd_fp8 import run_fwd_fp8
-from cute_flash.quant import quantize_qkv
+from cute_flash.launch import quantize_qkv, run_fwd_fp8
 from cute_flash.reference import attention_ref
+from cute_flash.reference_fp8 import outlier_qkv
 
 
 def main() -> None:

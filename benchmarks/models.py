@@ -4,7 +4,7 @@ SDPA (cuDNN; dense shapes only), in one process, the providers' order rotated ov
 TFLOP/s over the visible (q, k) pairs, 4 * H * pairs * d forward, x 2.5 backward; each cell the
 median over rounds of ``triton.testing.do_bench`` medians.
 
-    python scripts/bench_packs.py [--rounds 3]
+    python benchmarks/models.py [--rounds 3]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests in N parallel pytest processes on one GPU (developer tool: the kernels' JIT
-# compiles are CPU-bound, so shards overlap them). Usage: scripts/gpu_tests_sharded.sh N LOGDIR [pytest args]
+# compiles are CPU-bound, so shards overlap them). Usage: scripts/gpu_tests.sh N LOGDIR [pytest args]
 set -uo pipefail
 n=$1 logdir=$2
 shift 2

@@ -5,7 +5,7 @@ passes so ``ncu --launch-skip`` lands on a warm main kernel.
         --launch-skip 2 --launch-count 1 --set full -o ours python scripts/ncu_bwd.py ours 64 2048 1
 
 A fifth argument ("tile_m=80,mask_always=1") profiles our kernel with those ``BwdSm90Config``
-overrides (``run_bwd_sm90`` called directly, as ``tune_bwd_sm90.py`` does).
+overrides (``launch.run_bwd`` called directly, as ``scripts/tune/tune_bwd_sm90.py`` does).
 """
 
 import sys
@@ -20,16 +20,15 @@ def main() -> None:
         overrides = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in sys.argv[5].split(",")}
     b, h = max(1, 16384 // n), 2048 // d
     if which == "ours" and overrides:
-        from cute_flash.bwd_sm90 import run_bwd_sm90
-        from cute_flash.fwd import run_fwd
+        from cute_flash.launch import run_bwd, run_fwd
 
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda", dtype=torch.float32)
         run_fwd(q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         for _ in range(4):
-            run_bwd_sm90(do, q, k, v, out, lse, *grads, softmax_scale=d ** -0.5, causal=causal,
-                         deterministic=False, overrides=overrides)
+            run_bwd(do, q, k, v, out, lse, *grads, family="sm90", softmax_scale=d ** -0.5, causal=causal,
+                    deterministic=False, overrides=overrides)
         torch.cuda.synchronize()
         return
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

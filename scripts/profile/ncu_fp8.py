@@ -6,8 +6,7 @@ import sys
 
 import torch
 
-from cute_flash.fwd_fp8 import run_fwd_fp8
-from cute_flash.quant import quantize_qkv
+from cute_flash.launch import quantize_qkv, run_fwd_fp8
 
 
 def main() -> None:

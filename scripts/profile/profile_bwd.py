@@ -15,7 +15,7 @@ import torch
 import tune_bwd_sm90  # noqa: E402  (same directory: peer closures)
 from torch.profiler import ProfilerActivity, profile
 
-from cute_flash.bwd_sm90 import run_bwd_sm90
+from cute_flash.launch import run_bwd
 
 
 def kernel_times(fn, iters: int) -> tuple[dict[str, float], float]:
@@ -49,12 +49,12 @@ def main() -> None:
                 b, h = max(1, 16384 // n), 2048 // d
                 q, k, v, do, out, lse = tune_bwd_sm90.forward_problem(d, d, n, causal)
                 grads = [torch.empty_like(t) for t in (q, k, v)]
-                fns = {"ours": functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads,
+                fns = {"ours": functools.partial(run_bwd, do, q, k, v, out, lse, *grads, family="sm90",
                                                  softmax_scale=d ** -0.5, causal=causal)}
                 for var in args.variant:
                     pairs = (kv.split("=") for kv in var.split(","))
                     ov = {a: (x if a == "diag" else int(x)) for a, x in pairs}
-                    fns[var] = functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads,
+                    fns[var] = functools.partial(run_bwd, do, q, k, v, out, lse, *grads, family="sm90",
                                                  softmax_scale=d ** -0.5, causal=causal, overrides=ov)
                 for peer in args.peers:
                     try:

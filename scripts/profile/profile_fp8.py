@@ -79,8 +79,9 @@ def step_host_times(n: int = 256, iters: int = 100) -> None:
     """Host microseconds per call of each step of varlen ``fp8=True`` (no sync inside the loop;
     small enough that the GPU keeps up and the launch queue never blocks)."""
     from cute_flash import jit
-    from cute_flash.reference_fp8 import varlen_v_offsets
-    from cute_flash.quant import _signs, quant_configs, quantize_qkv_varlen
+    from cute_flash.dispatch import quant_configs
+    from cute_flash.formats import varlen_v_offsets
+    from cute_flash.launch import _signs, quantize_qkv_varlen
 
     d, h, seqs = 128, 16, 8
     cu = torch.tensor([0, *range(n, n * seqs + 1, n)], dtype=torch.int32, device="cuda")
@@ -95,7 +96,7 @@ def step_host_times(n: int = 256, iters: int = 100) -> None:
         "flash_attn_varlen_func fp8=True": lambda: flash_attn_varlen_func(q, k, v, cu, cu, n, n, fp8=True),
         "flash_attn_varlen_func e4m3": lambda: flash_attn_varlen_func(q8, k8, k8, cu, cu, n, n),
         "op quantize_qkv_varlen": lambda: ops.quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0, True),
-        "quant.quantize_qkv_varlen (no op)": lambda: quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0,
+        "launch.quantize_qkv_varlen (no op)": lambda: quantize_qkv_varlen(q, k, v, cu, cu, n, n, True, 0,
                                                                          True),
         "op varlen_fwd_fp8": lambda: ops.varlen_fwd_fp8(q8, k8, v8, cu, cu, n, n, *ds, 0.088, False, -1, -1,
                                                         torch.bfloat16, True),

@@ -54,16 +54,17 @@ def apply_overrides(pairs: list[str]) -> None:
     """Merge ``name=value`` fields into every sm90 backward launch plan."""
     if not pairs:
         return
-    from cute_flash import bwd_sm90
+    from cute_flash import dispatch
 
     extra = tuple((k, int(v) if v.lstrip("-").isdigit() else v) for k, v in (p.split("=", 1) for p in pairs))
-    plan = bwd_sm90.launch_plan
+    configs = dispatch.bwd_configs
 
-    def with_overrides(problem, mq, mk, hq, hk, sms, dlse, overrides):
-        merged = tuple(sorted({**dict(overrides), **dict(extra)}.items()))
-        return plan(problem, mq, mk, hq, hk, sms, dlse, merged)
+    def with_overrides(problem, family, overrides=()):
+        if family != "sm90":
+            return configs(problem, family, overrides)
+        return configs(problem, family, tuple(sorted({**dict(overrides), **dict(extra)}.items())))
 
-    bwd_sm90.launch_plan = with_overrides
+    dispatch.bwd_configs = with_overrides
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

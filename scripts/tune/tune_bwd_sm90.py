@@ -4,7 +4,7 @@ and cuDNN's backward in the same run, passes rotated over the providers; dq, dk 
 variant checked against the default one (relative L2), so a broken variant is flagged rather than
 timed as right.
 
-    python scripts/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
+    python scripts/tune/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
         [--variant "dq_warp=0" "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
 """
 
@@ -17,8 +17,7 @@ import torch
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cute_flash.bwd_sm90 import run_bwd_sm90
-from cute_flash.fwd import run_fwd
+from cute_flash.launch import run_bwd, run_fwd
 
 
 def bench(fn) -> float:
@@ -91,8 +90,9 @@ def main() -> None:
                     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
                     det = bool(var.get("deterministic", 0))
                     ov = {a: x for a, x in var.items() if a != "deterministic"}
-                    fn = functools.partial(run_bwd_sm90, do, q, k, v, out, lse, *grads, softmax_scale=scale,
-                                           causal=causal, deterministic=det, overrides=ov)
+                    fn = functools.partial(run_bwd, do, q, k, v, out, lse, *grads, family="sm90",
+                                           softmax_scale=scale, causal=causal, deterministic=det,
+                                           overrides=ov)
 
                     try:
                         fn()

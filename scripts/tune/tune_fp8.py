@@ -17,9 +17,7 @@ import statistics
 import torch
 import triton.testing
 
-from cute_flash.fwd import run_fwd
-from cute_flash.fwd_fp8 import run_fwd_fp8
-from cute_flash.quant import quantize_qkv
+from cute_flash.launch import quantize_qkv, run_fwd, run_fwd_fp8
 
 BOOL_FIELDS = ("pingpong", "intra_wg_overlap", "rescale_o_early", "seed_row_sum", "spin_waits", "v_perm",
                "sum_mma", "lazy_rescale", "dynamic_tiles", "exp_bytes")

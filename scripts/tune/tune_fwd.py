@@ -9,7 +9,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cute_flash import jit
-from cute_flash.fwd import FwdConfig
+from cute_flash.ampere.config import FwdConfig
 
 CANDIDATES = {
     32: [(128, 64, 128, 1), (128, 64, 128, 2), (128, 128, 128, 2), (64, 128, 128, 2)],

@@ -13,7 +13,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cute_flash import jit
-from cute_flash.fwd_sm90 import FwdSm90Config
+from cute_flash.hopper.fwd_config import FwdSm90Config
 
 SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
 
