@@ -39,13 +39,16 @@ def window_bounds(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]
 
 
 def visible_mask(nq: int, nk: int, *, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean (nq, nk) mask, True where query i may attend to key j (bottom-right aligned)."""
+                 device: torch.device | str | None = None,
+                 rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Boolean (nq, nk) mask, True where query i may attend to key j (bottom-right aligned);
+    ``rows=(i0, i1)``: only query rows i0..i1 - 1."""
     left, right = window_bounds(causal, window_size)
-    i = torch.arange(nq, device=device).unsqueeze(1)
+    i0, i1 = rows if rows is not None else (0, nq)
+    i = torch.arange(i0, i1, device=device).unsqueeze(1)
     j = torch.arange(nk, device=device).unsqueeze(0)
     diag = i + (nk - nq)  # the key aligned with query i when the ends of the sequences line up
-    mask = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    mask = torch.ones(i1 - i0, nk, dtype=torch.bool, device=device)
     if left >= 0:
         mask &= j >= diag - left
     if right >= 0:
@@ -79,18 +82,43 @@ def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Dense reference
 # ---------------------------------------------------------------------------------------------
+# The dense reference works on blocks of query rows whose scores take at most this many bytes, so
+# a long CPU problem (the ops' CPU path) does not materialise all B * H * Nq * Nk scores at once.
+REF_BLOCK_BYTES = 256 * 1024 * 1024
+
+
+def query_block_rows(batch: int, heads: int, nk: int, compute_dtype: torch.dtype) -> int:
+    """Query rows per block of the dense reference (``REF_BLOCK_BYTES`` of scores)."""
+    elem = torch.finfo(compute_dtype).bits // 8
+    return max(1, REF_BLOCK_BYTES // max(1, batch * heads * max(nk, 1) * elem))
+
+
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
                      window_size: tuple[int, int], softcap: float,
                      compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Nq, H, d) attention; returns out (B, Nq, H, dv) in compute_dtype, lse (B, H, Nq)."""
-    nq, nk, h = q.shape[1], k.shape[1], q.shape[2]
-    qc = q.to(compute_dtype)
+    b, nq, h = q.shape[0], q.shape[1], q.shape[2]
     kc = _expand_kv_heads(k.to(compute_dtype), h)
     vc = _expand_kv_heads(v.to(compute_dtype), h)
+    step = query_block_rows(b, h, k.shape[1], compute_dtype)
+    kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=softcap,
+              compute_dtype=compute_dtype)
+    if nq <= step:
+        return _dense_block(q.to(compute_dtype), kc, vc, nq, (0, nq), **kw)
+    blocks = [_dense_block(q[:, i:i + step].to(compute_dtype), kc, vc, nq, (i, min(i + step, nq)), **kw)
+              for i in range(0, nq, step)]
+    return torch.cat([o for o, _ in blocks], dim=1), torch.cat([lse for _, lse in blocks], dim=2)
+
+
+def _dense_block(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nq: int, rows: tuple[int, int], *,
+                 scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
+                 compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``rows`` of an Nq-row problem (qc holds just those rows, kc / vc every key)."""
+    nk = kc.shape[1]
     s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
     if softcap > 0.0:
         s = softcap * torch.tanh(s / softcap)
-    mask = visible_mask(nq, nk, causal=causal, window_size=window_size, device=q.device)
+    mask = visible_mask(nq, nk, causal=causal, window_size=window_size, device=qc.device, rows=rows)
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf on rows that see no key
     # softmax of an all -inf row is NaN; give such rows zeros instead (and a zero gradient).
@@ -299,7 +327,8 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     if cu_seqlens_q is None:
-        return flash_bwd_tiled_ref(dout, q, k, v, out, lse, block_m=max(q.shape[1], 1),
+        rows = query_block_rows(q.shape[0], q.shape[2], k.shape[1], _compute_dtype(q.dtype, True))
+        return flash_bwd_tiled_ref(dout, q, k, v, out, lse, block_m=max(min(q.shape[1], rows), 1),
                                    block_n=max(k.shape[1], 1), dlse=dlse, **kw)
     cdt = _compute_dtype(q.dtype, True)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
