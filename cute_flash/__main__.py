@@ -1,5 +1,5 @@
-"""``python -m cute_flash``: check and time the kernels on this machine's GPU, or, without one, compile
-them for sm_80 and sm_90a and print their instruction mix.
+"""``python -m cute_flash``: check and time the kernels on this machine's GPU beside SDPA-cuDNN and
+flash-attn-4, or, without one, compile them for sm_80 and sm_90a and print what the compiler made.
 
 ``python -m cute_flash inspect ...``: compile one variant without a GPU and report its PTX/SASS
 (see ``cute_flash/inspect.py``).
@@ -21,8 +21,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cute_flash",
         description="With a CUDA GPU: check our attention against the fp32 reference (2x rule) and time it "
-                    "against SDPA (flash backend), fwd and bwd. Without one: compile the forward and "
-                    "backward for sm_80 and sm_90a and print the instruction mix. "
+                    "against SDPA-cuDNN and flash-attn-4 (when installed), fwd and bwd. Without one: compile "
+                    "the forward and backward for sm_80 and sm_90a and print registers, spills, smem and "
+                    "the key instructions. "
                     "Subcommand: 'inspect' (see 'python -m cute_flash inspect -h').")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=4096)
@@ -57,9 +58,13 @@ def _compile_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     reports = ins.inspect_many(variants, workers=args.workers)
     wall = time.perf_counter() - t0
-    print("\nInstruction mix (static counts per kernel; lower-case columns PTX, upper-case SASS; spill/local "
-          "in bytes per thread; smem = static + dynamic):\n")
-    print(ins.mix_table(reports))
+    print("\nPer kernel (static counts; spills in bytes per thread; smem = static + dynamic):\n")
+    print(ins.summary_table(reports))
+    disassembled = any(k["sass"] for r in reports if "error" not in r for k in r["kernels"])
+    if not disassembled:
+        print("\n* PTX counts: the SASS ones need nvdisasm / cuobjdump (pip install -e '.[dev]').")
+    print("\nEvery instruction count of one variant: python -m cute_flash inspect --arch sm_90a --kernel bwd "
+          f"--hdim {args.hdim} [--causal] [--json]")
     failed = [r for r in reports if "error" in r]
     spilled = [r for r in reports if "error" not in r and (r["spill_bytes"] or r["local_bytes"])]
     print(f"\n{len(reports) - len(failed)}/{len(reports)} variants compiled in {wall:.1f} s wall "
@@ -73,7 +78,7 @@ def _compile_main(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: correctness (2x rule) and speed against SDPA
+# GPU: correctness (2x rule) and speed against the peers
 # ---------------------------------------------------------------------------------------------
 def _bench_ms(fn: Callable[[], Any]) -> float:
     """Median milliseconds of ``fn`` (triton's do_bench, else CUDA events around single calls)."""
@@ -123,8 +128,6 @@ def _gpu_case(args: argparse.Namespace, causal: bool, flash_attn_func: Callable[
               attention_ref: Callable[..., Any]) -> tuple[bool, list[str], list[str]]:
     """Check and time one mask mode; returns (all checks passed, check rows, perf rows)."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -177,26 +180,72 @@ def _gpu_case(args: argparse.Namespace, causal: bool, flash_attn_func: Callable[
     if args.no_bench:
         return ok_all, check_rows, perf_rows
     flops = 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, H, N, d): a view, no copy
+    peers = _peers(q, k, v, causal)
 
-    def sdpa() -> Any:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    def row(direction: str, fl: float, ms_ours: float, ms_sdpa: float) -> str:
-        return (f"| {int(causal)} | {direction} | {ms_ours:.3f} | {fl / ms_ours * 1e-9:.0f} | "
-                f"{ms_sdpa:.3f} | {fl / ms_sdpa * 1e-9:.0f} | {ms_sdpa / ms_ours:.2f} |")
+    def row(direction: str, fl: float, ms_ours: float, ms_peers: dict[str, float]) -> str:
+        cells = [f"{fl / ms * 1e-9:.0f}" if ms == ms else "-" for ms in ms_peers.values()]
+        best = min((ms for ms in ms_peers.values() if ms == ms), default=float("nan"))
+        return (f"| {int(causal)} | {direction} | {fl / ms_ours * 1e-9:.0f} | " + " | ".join(cells)
+                + f" | {best / ms_ours:.2f} |")
 
     ms_ours = _bench_ms(lambda: flash_attn_func(q, k, v, causal=causal))
-    perf_rows.append(row("fwd", flops, ms_ours, _bench_ms(sdpa)))
+    perf_rows.append(row("fwd", flops, ms_ours, {n: _time_or_nan(f) for n, f in peers.items()}))
     if not args.no_bwd:
         # Backward alone: autograd.grad on one saved graph, retained between repetitions.
-        o_ours, o_sdpa = flash_attn_func(q, k, v, causal=causal), sdpa()
-        dout_t = dout.transpose(1, 2)
+        o_ours = flash_attn_func(q, k, v, causal=causal)
         ms_ours = _bench_ms(lambda: torch.autograd.grad(o_ours, (q, k, v), dout, retain_graph=True))
-        ms_sdpa = _bench_ms(lambda: torch.autograd.grad(o_sdpa, (q, k, v), dout_t, retain_graph=True))
-        perf_rows.append(row("bwd", 2.5 * flops, ms_ours, ms_sdpa))
+        ms_peers = {}
+        for name, fn in peers.items():
+            try:
+                o_peer = fn()  # every peer's output in (B, N, H, d), like ours
+            except Exception:
+                ms_peers[name] = float("nan")
+                continue
+            ms_peers[name] = _time_or_nan(lambda o=o_peer: torch.autograd.grad(o, (q, k, v), dout,
+                                                                              retain_graph=True))
+        perf_rows.append(row("bwd", 2.5 * flops, ms_ours, ms_peers))
     return ok_all, check_rows, perf_rows
+
+
+PEER_NAMES = ("SDPA-cuDNN", "flash-attn-4")
+
+
+def _peers(q: Any, k: Any, v: Any, causal: bool) -> dict[str, Callable[[], Any]]:
+    """The peers timed beside us on the same inputs: SDPA's cuDNN backend (ships with torch) and
+    flash-attn-4 (``flash_attn.cute``) when it is installed; a missing one times as NaN ('-')."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, H, N, d): a view, no copy
+
+    def cudnn() -> Any:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+    peers: dict[str, Callable[[], Any]] = {"SDPA-cuDNN": cudnn}
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+
+        def flash4() -> Any:
+            out = fa4(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        peers["flash-attn-4"] = flash4
+    except Exception:
+        peers["flash-attn-4"] = _missing
+    return peers
+
+
+def _time_or_nan(fn: Callable[[], Any]) -> float:
+    """``_bench_ms``, or NaN (shown as '-') for a peer that is missing or refuses the problem."""
+    try:
+        return _bench_ms(fn)
+    except Exception:
+        return float("nan")
+
+
+def _missing() -> Any:
+    raise RuntimeError("not installed")
 
 
 def _gpu_main(args: argparse.Namespace) -> int:
@@ -234,8 +283,8 @@ def _gpu_main(args: argparse.Namespace) -> int:
     ok_all = True
     check_rows = [f"| check | max abs err ours | max abs err torch-{args.dtype} | bound (2x + floor) "
                   "| rel L2 ours | result |", "|---|---|---|---|---|---|"]
-    perf_rows = ["| causal | dir | ours ms | ours TFLOP/s | SDPA-flash ms | SDPA-flash TFLOP/s | ours/SDPA |",
-                 "|---|---|---|---|---|---|---|"]
+    perf_rows = ["| causal | dir | ours TFLOP/s | " + " | ".join(f"{p} TFLOP/s" for p in PEER_NAMES)
+                 + " | ours / best peer |", "|---|---|---|" + "---|" * len(PEER_NAMES) + "---|"]
     for causal in (False, True):
         try:
             ok, checks, perfs = _gpu_case(args, causal, flash_attn_func, attention_ref)

@@ -668,6 +668,35 @@ def mix_table(reports: Sequence[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _key_count(k: dict[str, Any], sass_keys: Sequence[str], ptx_keys: Sequence[str]) -> str:
+    """Sum of SASS counts when the cubin was disassembled, else of the PTX counts (marked ``*``)."""
+    if k["sass"]:
+        return str(sum(k["sass"].get(x, 0) for x in sass_keys))
+    return f"{sum(k['ptx'].get(x, 0) for x in ptx_keys)}*"
+
+
+def summary_table(reports: Sequence[dict[str, Any]]) -> str:
+    """A newcomer's table, one row per kernel: registers, spills, shared memory and the
+    instructions that decide attention speed (tensor-core MMAs, asynchronous copies, MUFU
+    exponentials). ``mix_table`` and ``format_report`` have the rest."""
+    head = ["variant", "kernel", "regs", "spill B", "smem KiB", "MMA", "async copy", "exp2"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rep in reports:
+        if "error" in rep:
+            rows.append(f"| {Variant(**rep['variant']).label()} | ERROR: {rep['error'][:200]} |")
+            continue
+        v = Variant(**{k: rep[k] for k in asdict(Variant()).keys()})
+        for k in rep["kernels"]:
+            smem = k["smem_bytes"]
+            rows.append("| " + " | ".join([
+                v.label(), k["name"], _fmt(k["registers"]), _fmt(k["spill_bytes"]),
+                "-" if smem is None else f"{smem / 1024:.1f}",
+                _key_count(k, ("HMMA", "HGMMA", "QGMMA"), ("mma.sync", "wgmma.mma_async")),
+                _key_count(k, ("LDGSTS", "UTMALDG"), ("cp.async", "cp.async.bulk.tensor")),
+                _key_count(k, ("MUFU.EX2",), ("ex2.approx",))]) + " |")
+    return "\n".join(rows)
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """Human-readable report of one variant."""
     v = Variant(**{k: rep[k] for k in asdict(Variant()).keys()})
