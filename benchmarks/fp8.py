@@ -1,4 +1,4 @@
-"""FP8 forward on the GPU (developer tool, issue 5): the quantize kernels' bandwidth, the FP8
+"""FP8 forward on the GPU: the quantize kernels' bandwidth, the FP8
 attention's TFLOP/s beside our bf16 forward and flash-attn-4's in the same run, the end-to-end
 quantize + FP8 time, and the FA3 paper's accuracy experiment with the kernels. Every part is
 guarded: a failure prints its error and the next part runs.

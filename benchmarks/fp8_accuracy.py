@@ -1,5 +1,5 @@
 """RMSE vs fp64 on the FA3 paper's outlier inputs (N = 4k, rotation on) for FP8 forward config
-overrides, next to the default (developer tool, issue 5):
+overrides, next to the default:
 
     python scripts/fp8_accuracy.py --hdim 128 --variant "exp_bytes=1"
 """

@@ -125,7 +125,7 @@ def token_contiguous_varlen(v8: torch.Tensor) -> torch.Tensor:
 
 # cu_seqlens_v already computed, per cu_seqlens_k (weakly held) and its version counter: a model's
 # layers share one cu_seqlens, and the 9 small device ops below cost more host time per call than
-# the GPU spends on them (the varlen FP8 path is host-bound at 8 x 2k tokens, docs/notes.md).
+# the GPU spends on them (the varlen FP8 path is host-bound at 8 x 2k tokens).
 # (Computed on the stream of the first call: a later call on another stream relies on the same
 # ordering its cu_seqlens_k already needs.)
 _CU_V: list[tuple] = []

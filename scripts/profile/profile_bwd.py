@@ -1,4 +1,4 @@
-"""Where the backward's time goes (developer tool, issue 4): per-kernel GPU time of our sm90
+"""Where the backward's time goes: per-kernel GPU time of our sm90
 backward (preprocess, main, postprocess) beside flash-attn-4's and cuDNN's kernels, from the
 torch profiler, so a gap in the end-to-end TFLOP/s is pinned on one launch.
 

@@ -1,4 +1,4 @@
-"""Developer probe (issue 5): where the FP8 paths' time goes, on one set of inputs (8 sequences of
+"""Developer probe: where the FP8 paths' time goes, on one set of inputs (8 sequences of
 ~2k tokens, d = 128; dense 8 x 2k beside them).
 
     python scripts/profile_fp8.py           per-kernel CUDA time (torch.profiler)

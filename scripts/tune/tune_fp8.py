@@ -1,4 +1,4 @@
-"""FP8 forward tile / schedule candidates on the GPU (developer tool, issue 5): TFLOP/s of each
+"""FP8 forward tile / schedule candidates on the GPU: TFLOP/s of each
 ``FwdSm90Fp8Config`` override set beside the shipped default and our bf16 forward, rounds
 rotated so clock drift does not favour one candidate. Each candidate's output is checked against
 a bf16 SDPA of the dequantized inputs; one whose error exceeds 1.5x the default's is
