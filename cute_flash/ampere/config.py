@@ -91,13 +91,8 @@ class BwdTiles:
         return el * tiles + 2 * 4 * self.tile_m * self.stages
 
 
-# sm80 (A100: 163 KB of smem per CTA) tiles per max(hdim, hdim_v), 8 warps each. The register
-# file is the binding constraint: dK and dV live in fp32 registers for the whole CTA
-# (2 * tile_n * hdim / 256 per thread) next to S, dP (tile_m * tile_n / 256 each), so every row was
-# compiled for all mask/softcap/varlen/deterministic variants and kept only if it does not spill
-# even with 16 extra registers held live across the main loop (tests/test_compile_sm80_bwd.py
-# checks the real kernels spill-free). tile_n = 96 at hdim 128: 128 spills, 64 wastes K/V reuse.
-# hdim 256 runs the dQ GEMM in two column halves (its fp32 accumulator is 64 registers).
+# Backward tiles per max(hdim, hdim_v), 8 warps each: the largest that compile spill-free for
+# every variant (dK, dV live in fp32 registers; docs/tuning.md). hdim 256 splits the dQ GEMM.
 SM80_BWD_TILES: dict[int, BwdTiles] = {
     32: BwdTiles(64, 128, 256, 2, 2, 4, 4),
     64: BwdTiles(64, 128, 256, 2, 2, 4, 4),
@@ -109,8 +104,7 @@ SM80_BWD_TILES: dict[int, BwdTiles] = {
 }
 
 
-# Softcap keeps 1 - tanh^2 of every score in registers from S to dS (tile_m * tile_n / 256 more
-# fp32 registers per thread): where that leaves too little headroom, a narrower K/V tile.
+# Softcap keeps 1 - tanh^2 of every score live from S to dS: a narrower K/V tile where it spills.
 SM80_BWD_TILES_SOFTCAP: dict[int, BwdTiles] = {
     96: BwdTiles(64, 64, 256, 2, 4, 4, 4),
 }

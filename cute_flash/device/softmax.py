@@ -6,57 +6,17 @@ Normalisation is deferred to the end (one reciprocal per row instead of one divi
 Row sums stay per-thread until ``finalize``: the quad reduction is paid once, not per block.
 """
 
-
 import math
-import struct
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_flash.device.convert import CODE_UNIT, ceil_f32, exp_code_offset, fma_f32
 from cute_flash.device.layout import acc_to_mn
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-
-# 2^f ~ 1 + f (c1 + f (c2 + f c3)) on [-1/2, 1/2], relative error <= 1.1e-4 (Lawson minimax with
-# the constant term pinned to 1, so integer x, and the clamp below, come out exact).
-EXP2_POLY = (0.6932829022407532, 0.2422109693288803, 0.05500892922282219)
-
-
-def _f32_hex(x: float) -> str:
-    return f"0f{struct.unpack('<I', struct.pack('<f', x))[0]:08X}"
-
-
-# x -> max(x, -127); j = round(x) (the 1.5 * 2^23 shifter leaves it in the low mantissa bits);
-# f = x - j; 2^x = poly(f) with j added to its exponent field by one integer add. At x = -127
-# (every masked score: -inf clamps there) poly(0) = 1.0 and the add gives exactly +0.0.
-_EXP2_POLY_PTX = (
-    "{\n.reg .f32 x, t, f, p;\n.reg .b32 tb, pb;\n"
-    "max.f32 x, $1, 0fC2FE0000;\n"
-    "add.rn.f32 t, x, 0f4B400000;\n"
-    "sub.rn.f32 f, t, 0f4B400000;\n"
-    "sub.rn.f32 f, x, f;\n"
-    f"fma.rn.f32 p, f, {_f32_hex(EXP2_POLY[2])}, {_f32_hex(EXP2_POLY[1])};\n"
-    f"fma.rn.f32 p, p, f, {_f32_hex(EXP2_POLY[0])};\n"
-    "fma.rn.f32 p, p, f, 0f3F800000;\n"
-    "mov.b32 tb, t;\nmov.b32 pb, p;\n"
-    "shl.b32 tb, tb, 23;\nadd.s32 pb, pb, tb;\n"
-    "mov.b32 $0, pb;\n}"
-)
-
-
-@dsl_user_op
-def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA / integer pipes instead of the MUFU (16 results per clock per SM on sm90):
-    where the exponentials and not the tensor cores bound a kernel (FP8 at d <= 128), a share of
-    them computed here runs beside the MUFU's."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _EXP2_POLY_PTX, "=f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
@@ -86,21 +46,15 @@ def row_max_chains(acc_mn: cute.Tensor, r: int, chains: int) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, num_rows: int, max_chains: int = 1, seed_sum: bool = False,
-                 exp2_emu: int = 0, p_log2_offset: float = 0.0, sum_rows: bool = True,
-                 rescale_threshold: float = 0.0, exp_bytes: bool = False):
+                 p_log2_offset: float = 0.0, sum_rows: bool = True, exp_bytes: bool = False):
         self.scale_log2 = scale_log2
-        # FP8 P as e4m3 codes (times 2^-24, ``kernels/convert.py``) from one FFMA per score, no
+        # FP8 P as e4m3 codes (times 2^-24, ``device/convert.py``) from one FFMA per score, no
         # MUFU: at d = 128 the exponentials alone take as long as both GEMMs of a block (16 per
         # clock per SM). The row's reference is its max rounded up to 1/8 in log2 units, so the
         # codes move by whole steps when it grows and the FFMA's addend is exact. Needs the
         # caller's row sums (of the same codes, ``sum_rows=False``).
         self.exp_bytes = exp_bytes
-        assert not (exp_bytes and (sum_rows or rescale_threshold > 0.0))
-        # > 0: a row keeps its old maximum unless the new one is larger by more than this (log2
-        # units), so most blocks after the first few need no rescale of O at all (the caller
-        # skips it when every row's factor is 1). P may then exceed 2^offset by up to
-        # 2^threshold: FP8's e4m3 P (offset 8, at most 448) allows 0.8.
-        self.rescale_threshold = rescale_threshold
+        assert not (exp_bytes and sum_rows)
         # False: the caller sums P itself (the FP8 kernel's ``sum_mma``, on the tensor cores) and
         # hands the sums to ``finalize``; no FADD per score here.
         self.sum_rows = sum_rows
@@ -110,8 +64,6 @@ class OnlineSoftmax:
         self.p_log2_offset = p_log2_offset
         self.max_chains = max_chains
         self.seed_sum = seed_sum
-        # 1 in ``exp2_emu`` exponentials by ``exp2_poly`` (0: all on the MUFU).
-        self.exp2_emu = exp2_emu
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -137,10 +89,6 @@ class OnlineSoftmax:
             # The 4 lanes of a quad hold the same row (mma.sync C layout): 2 shuffles.
             m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=4)
             m_old = self.row_max[r]
-            if cutlass.const_expr(self.rescale_threshold > 0.0 and not is_first):
-                # (-inf - -inf is NaN, not above the threshold: a row with no key yet stays -inf.)
-                grew = (m_new - m_old) * self.scale_log2 > Float32(self.rescale_threshold)
-                m_new = cutlass.select_(grew, m_new, m_old)
             self.row_max[r] = m_new
             # A row with every key masked so far has m = -inf: use 0 so exp2 gives 0, not NaN.
             m_scaled = (m_new if m_new != -Float32.inf else Float32(0.0)) * self.scale_log2
@@ -196,17 +144,8 @@ class OnlineSoftmax:
     @cute.jit
     def _exp2_row(self, acc_mn: cute.Tensor, r: int, row, m_scaled: Float32):
         """p = 2^(s * scale_log2 - m_scaled) over row ``r``, stored back into ``acc_mn``."""
-        if cutlass.const_expr(self.exp2_emu == 0):
-            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-            acc_mn[r, None].store(p)
-        else:
-            acc_mn[r, None].store(row * self.scale_log2 - m_scaled)
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                if cutlass.const_expr(c % self.exp2_emu == self.exp2_emu - 1):
-                    acc_mn[r, c] = exp2_poly(acc_mn[r, c])
-                else:
-                    acc_mn[r, c] = cute.math.exp2(acc_mn[r, c], fastmath=True)
-            p = acc_mn[r, None].load()
+        p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+        acc_mn[r, None].store(p)
         return p
 
     @cute.jit

@@ -16,53 +16,28 @@ from cute_flash.formats import FP8_HDIMS as QUANT_HDIMS  # powers of two (Walsh-
 from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT, FwdSm90Config
 from cute_flash.problem import Problem
 
-# (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap) per head dim.
-# tile_n is a multiple of 32 (the k32 P V wgmma walks the keys 32 at a time). With 1-byte Q / K / V
-# the tiles grow past the 16-bit ones; chosen by scripts/tune_fp8.py on the H200 (TFLOP/s, N = 8k /
-# 16k, non-causal | causal; docs/notes.md):
-# - d = 64: 128 x 192 on two warpgroups with ping-pong, ``sum_mma`` and ``exp_bytes`` (session 16,
-#   one tune run, 3 rounds, V in the kernel order, 8k / 16k non-causal | causal: 818 / 838 |
-#   696 / 734), against the earlier 192 x 160 on three warpgroups with MUFU exponentials, 639 / 661
-#   | 568 / 619 (three warpgroups cannot take ``sum_mma``: ptxas serialises their wgmmas).
-# - d = 128: 128 x 192 with ping-pong, 841-847 | 778-828 (128 x 128: 771-787 | 724-766; 224 keys
-#   and 160 keys both lower).
-# - d = 256: 128 x 128 (smem exactly 227 KiB), 1132-1145 | 1066-1113 (128 x 96: 968-1002 |
-#   928-1005); ping-pong on or off within 2%.
-SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (128, 192, 2, 2, True, True),
-    128: (128, 192, 2, 2, True, True),
-    256: (128, 128, 2, 2, False, True),
+# (tile_m, tile_n, stages, consumer warpgroups, ping-pong) per head dim. tile_n is a multiple of 32
+# (the k32 P V wgmma walks the keys 32 at a time). Measured fastest on the H200
+# (scripts/tune/tune_fp8.py, docs/tuning.md).
+SM90_FP8_FWD_TILES: dict[int, tuple[int, int, int, int, bool]] = {
+    64: (128, 192, 2, 2, True),
+    128: (128, 192, 2, 2, True),
+    256: (128, 128, 2, 2, False),
 }
 
 
-# 1 in this many of the softmax exponentials on the FMA pipe (``FwdSm90Config.exp2_emu``). At d = 128
-# FP8 the MUFU's 16 exp2 per clock take as long as the QGMMAs of a block: with V in the kernel order,
-# 1 in 8 measured +2.6-3.4% (875 -> 898 non-causal, 832 -> 855 causal, N = 16k) and +0.5-2% at
-# N = 2k / 4k; at d = 256 (twice the GEMM per exponential) -1 to -4%, and at d = 64 1 in 4 lost 6%.
-# With ``sum_mma`` (the d = 128 default since session 8) the FMA pipe is busier: 0 there.
-SM90_FP8_EXP2_EMU: dict[int, int] = {128: 8}
-
-
-# Persistent grid up to this many keys (session 6, N = 2k / 4k, TFLOP/s one CTA per tile ->
-# persistent): non-causal with a static stride 749 -> 794, 827 -> 839 (d = 128) and 1063 -> 1115,
-# 1102 -> 1142 (d = 256); causal with tiles claimed from the atomic counter 571 -> 636, 697 -> 747
-# (d = 128) and 851 -> 917, 1004 -> 1041 (d = 256). At 8k (d = 128): non-causal 880 -> 879 (no
-# gain), causal 792 -> 812; at 16k causal 863 -> 859. So causal at d = 128 goes on to 8k; d = 256
-# at 8k was not measured (bf16 lost 2% there) and stays at 4k.
-# d = 64 (bf16 lost with the persistent grid at N <= 1k there) was not measured and keeps one CTA
-# per tile.
+# Persistent grid up to this many keys, where it measured faster than one CTA per tile (H200,
+# docs/tuning.md); d = 64 keeps one CTA per tile.
 SM90_FP8_PERSISTENT_MAX_SEQLEN = 4096
-
-
 SM90_FP8_PERSISTENT_CAUSAL_D128_MAX_SEQLEN = 8192
 
 
-# Sliding windows (a mask on both sides, more live registers) keep the first, smaller tiles: the
-# tuned ones spill there (stack: 208 bytes at d = 64, 88 at d = 128, 128 at d = 256). Not measured.
-SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    64: (128, 128, 2, 2, False, True),
-    128: (128, 128, 2, 2, False, True),
-    256: (128, 96, 2, 2, True, True),
+# Sliding windows (a mask on both sides, more live registers) keep smaller tiles: the tuned ones
+# spill there.
+SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool]] = {
+    64: (128, 128, 2, 2, False),
+    128: (128, 128, 2, 2, False),
+    256: (128, 96, 2, 2, True),
 }
 
 
@@ -77,33 +52,18 @@ class FwdSm90Fp8Config(FwdSm90Config):
     v_perm: bool = False
     # Row sums of P on the tensor cores: P (the e4m3 A registers of P V) times an 8-column block of
     # ones in smem, one m64n8k32 wgmma per 32 keys in P V's commit group, instead of one FADD per
-    # score. At d = 128 the softmax's ALU instructions, not the tensor cores, bound the loop (731
-    # SASS instructions per warp and block, 96 of them these FADDs: ~95% of the issue slots at
-    # the QGMMA rate). The sums are then of the e4m3-rounded P that P V multiplied; each block's
-    # sum restarts in the wgmma and is added in fp32 registers (the fp8 accumulator keeps ~14
-    # bits: carried across blocks, the sum came out 15% low at 8k keys). None: on at d = 128 for
-    # dense and packed inputs (session 8, N = 8k / 16k with V in the kernel order, non-causal |
-    # causal: 885-863 | 819-865 -> 912-951 | 853-918 TFLOP/s together with every exponential on
-    # the MUFU, the FMA pipe now having fewer free slots). Sliding windows (their own smaller
-    # tile, never tuned): compiled and CPU-checked, off. d = 256 since session 16 (its block of
-    # ones fits in the last KiB of smem): alone +1-3% (8k / 16k), and it makes ``exp_bytes``
-    # possible there; d = 64 since session 17 (with its two-warpgroup tile).
+    # score (those FADDs take a large share of the softmax's issue slots at d = 128). The sums are
+    # of the e4m3-rounded P that P V multiplied; each block's sum restarts in the wgmma and is
+    # added in fp32 registers (the fp8 accumulator keeps ~14 bits, too few to carry across
+    # blocks). None: on for the tuned tiles (measured faster, docs/tuning.md), off for sliding
+    # windows and for the small varlen causal d = 64 tile.
     sum_mma: bool | None = None
-    # A row keeps its running max unless a block raises it by more than 2^0.75 (the e4m3 P has
-    # that headroom under 448), and a warp skips the O rescale -- 64 FMULs per thread and block
-    # at d = 128, ~9% of the loop's instructions -- when none of its rows moved, which after the
-    # first blocks is most of them (flash-attn-4's trick on Blackwell, with its larger bf16
-    # threshold). Compiled, not yet measured: off.
-    lazy_rescale: bool = False
     # P's e4m3 codes from one FFMA per score, a conversion per two and a byte permute per four
-    # (``kernels/convert.py``) instead of an exponential on the MUFU: the code round(8 x + 56) of
+    # (``device/convert.py``) instead of an exponential on the MUFU: the code round(8 x + 56) of
     # 2^x is read off e4m3's own layout (8 codes per binade), within a binade the chord 1 + j / 8
     # of 2^(j / 8) (at most 6% above it; P V and the row sums see the same codes), flushing below
     # 2^-7 of the scaled P (``fp8_ref.p_log_bytes``, ``EXP_BYTES_LOG2_SCALE``). Needs ``sum_mma``.
-    # None: on wherever ``sum_mma`` is. Session 16, V in the kernel order, 5 rounds, TFLOP/s,
-    # 8k / 16k non-causal | causal: d = 128 942 / 970 | 835 / 922 -> 1098 / 1125 | 1008 / 1060;
-    # d = 256 (with sum_mma) 1212 / 1194 | 1131 / 1179 -> 1323 / 1297 | 1213 / 1242. Outlier-
-    # experiment RMSE (rotated, N = 4k) 8.7e-3 -> 8.9e-3 at d = 128, 7.2e-3 -> 7.3e-3 at 256.
+    # None: on wherever ``sum_mma`` is (measured faster, docs/tuning.md).
     # ``CUTE_FLASH_FP8_P=exact`` turns it off at run time.
     exp_bytes: bool | None = None
 
@@ -115,42 +75,31 @@ class FwdSm90Fp8Config(FwdSm90Config):
         if self.softcap:
             raise ValueError("FP8 forward: no softcap")
         if self.varlen and self.v_perm:
-            # The varlen re-layout of V (fp8_ref.v_varlen_aligned) writes the natural order. (The
-            # kernel order would work on its 16-aligned sequence starts; not wired up yet.)
+            # The varlen re-layout of V (fp8_ref.v_varlen_aligned) writes the natural order.
             raise ValueError("FP8 forward: varlen takes V in its natural token order")
-        # Varlen causal at d = 64 spilled 248 bytes with the three-warpgroup tile (the sequence
-        # offsets and both mask bounds stay live); it keeps the smaller tile.
+        # Varlen causal at d = 64 (the sequence offsets and both mask bounds stay live) keeps the
+        # smaller tile.
         small = self.local or (self.varlen and self.causal and self.hdim == 64)
         table = SM90_FP8_FWD_TILES_LOCAL if small else SM90_FP8_FWD_TILES
-        tile_m, tile_n, stages, wgs, pingpong, overlap = table[self.hdim]
+        tile_m, tile_n, stages, wgs, pingpong = table[self.hdim]
         for name, value in (("tile_m", tile_m), ("tile_n", tile_n), ("stages", stages),
                             ("num_mma_wg", wgs)):
             if not getattr(self, name):
                 object.__setattr__(self, name, value)
         if self.sum_mma is None:
-            # (d = 64's small varlen-causal tile keeps the exponentials: measured nowhere.)
             object.__setattr__(self, "sum_mma", not self.local and not (small and self.hdim == 64)
                                and self.num_mma_wg != 3)
-        if self.exp2_emu is None:
-            emu = SM90_FP8_EXP2_EMU.get(self.hdim, 0) if self.v_perm and not self.local else 0
-            if self.sum_mma:
-                # With the row sums' FADDs gone the FMA pipe is no longer idle beside the MUFU:
-                # 1 in 8 on the FMA pipe cost 1-7% (session 8).
-                emu = 0
-            object.__setattr__(self, "exp2_emu", emu)
-        for name, value in (("pingpong", pingpong), ("intra_wg_overlap", overlap)):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        if self.pingpong is None:
+            object.__setattr__(self, "pingpong", pingpong)
         if self.tile_n % 32:
             raise ValueError("FP8 forward: tile_n must be a multiple of 32 (k32 P V)")
         if self.sum_mma and self.hdim == 64 and self.num_mma_wg == 3:
             # d = 64 (three warpgroups, 160 keys): ptxas serialises the wgmmas (a wait after each).
             raise ValueError("FP8 forward: no sum_mma with three consumer warpgroups at d = 64")
-        codes_possible = bool(self.sum_mma and not self.lazy_rescale and not self.exp2_emu)
         if self.exp_bytes is None:
-            object.__setattr__(self, "exp_bytes", codes_possible)
-        if self.exp_bytes and not codes_possible:
-            raise ValueError("FP8 forward: exp_bytes needs sum_mma, without lazy_rescale or exp2_emu")
+            object.__setattr__(self, "exp_bytes", bool(self.sum_mma))
+        if self.exp_bytes and not self.sum_mma:
+            raise ValueError("FP8 forward: exp_bytes needs sum_mma")
         super().__post_init__()
         if not self.separate_o:
             raise ValueError("FP8 forward: O (16 bit) needs its own smem buffer beside 1-byte Q")
@@ -321,24 +270,13 @@ class QuantizeConfig(jit.KernelConfig):
         return x, signs, amax, out, None, cutlass.Int32(0), None, jit.fake_stream()
 
 
-# Q / K lanes per row (``QuantizeConfig.lanes_per_row``) by head dim. Measured on the H200 (session 9,
-# ``scripts/bench_fp8.py``, whole quantize of Q, K, V at 2k-16k tokens): d = 128 with 8 lanes per row
-# 234-240 -> 201-207 us (the whole-warp row is bound by its 20 shuffles per row, 8 lanes need 12),
-# d = 64 272 -> 236 us;
-# d = 256 with 8 / 16 lanes 242 -> 257 / 247 us (its rows are long enough that the whole warp is
-# bandwidth-bound, and 8 lanes per row hold 32 values per lane). Head dims not listed keep the
-# whole warp per row until measured. ``QK_LANES_PER_ROW`` (an int) overrides the table, for the
-# benchmarks and the GPU tests.
+# Q / K lanes per row (``QuantizeConfig.lanes_per_row``) by head dim, measured faster on the H200
+# (docs/tuning.md); other head dims take the whole warp per row.
 QK_LANES_BY_HDIM = {64: 8, 128: 8}
-
-
-QK_LANES_PER_ROW: int | None = None
 
 
 def qk_lanes_per_row(hdim: int) -> int:
     """Q / K lanes per row the quantize launches use at this head dim."""
-    if QK_LANES_PER_ROW is not None:
-        return QK_LANES_PER_ROW
     return QK_LANES_BY_HDIM.get(hdim, 32)
 
 

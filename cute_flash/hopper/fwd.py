@@ -13,10 +13,11 @@ fp32 accumulator, P is converted to 16 bit in registers and O += P V is an RS-wg
 registers, V^T read from smem as an MN-major operand). K/V blocks are walked last to first as in
 the sm80 kernel, so the partial block and the causal/window edge blocks are peeled and masked
 while the interior runs unmasked. TMA zero-fills rows past the tensor end (no predicates on the
-loads; V runs one block behind K). Consumer warpgroups take turns at the tensor cores (ping-pong,
-named barriers) and/or issue the next Q K^T before the softmax (intra-warpgroup overlap), per the
-tuned table in ``fwd_sm90.py``. Causal tiles are handed out longest first
-(``kernels/tile_scheduler.py``). The epilogue goes registers -> smem (O's own buffer where it
+loads; V runs one block behind K). Each consumer warpgroup issues the next block's Q K^T together
+with the current P V and runs the softmax while P V is in flight (intra-warpgroup overlap); with
+ping-pong (named barriers) the consumer warpgroups also take turns at the tensor cores, per the
+tuned table in ``hopper/fwd_config.py``. Causal tiles are handed out longest first
+(``device/tile_scheduler.py``). The epilogue goes registers -> smem (O's own buffer where it
 fits, else Q's; stmatrix) -> a TMA store (predicated 16-byte stores for packed varlen outputs).
 mbarrier waits spin on try_wait (see ``spin``): the DSL's default wait sleeps.
 """
@@ -93,12 +94,12 @@ class FlashFwdSm90:
         # Packed GQA: the ``pack`` query heads sharing a KV head fill the M tile together
         # (decode: one token x ``pack`` heads per row group instead of 1 useful row in 128).
         self.pack = cfg.pack_gqa
-        self.pingpong, self.overlap = cfg.pingpong, cfg.intra_wg_overlap
-        # With overlap, the O rescale of block n sits between the wait for P V(n+1) and the next
-        # GEMMs. For wide O (d_v > 128: 128+ accumulator registers per thread) it is long enough
-        # to show: apply it one block late instead, while Q K^T(n) runs and before P V(n+1) is
-        # issued (O is not an operand of Q K^T).
-        self.rescale_before_pv = self.overlap and cfg.rescale_o_early
+        self.pingpong = cfg.pingpong
+        # The O rescale of block n sits between the wait for P V(n+1) and the next GEMMs. For wide
+        # O (d_v > 128: 128+ accumulator registers per thread) it is long enough to show: apply it
+        # one block late instead, while Q K^T(n) runs and before P V(n+1) is issued (O is not an
+        # operand of Q K^T).
+        self.rescale_before_pv = cfg.rescale_o_early
         # 64K registers per SM: 24 * 128 + 240 * 256 = 64512 with two consumer warpgroups,
         # 32 * 128 + 160 * 384 = 65536 with three (the 192-row d=64 tile).
         self.producer_regs = 24 if self.num_mma_wg == 2 else 32
@@ -113,7 +114,6 @@ class FlashFwdSm90:
         # log2 of the factor P is computed with (``OnlineSoftmax.p_log2_offset``; FP8 sets it).
         self.p_log2_offset = 0.0
         self.softmax_sums_rows = True  # (the FP8 kernel's ``sum_mma`` sums P on the tensor cores)
-        self.rescale_threshold = 0.0  # (the FP8 kernel's ``lazy_rescale``)
         self.softmax_exp_bytes = False  # (the FP8 kernel's ``exp_bytes``)
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
@@ -209,20 +209,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def rescale_o(self, ctx, row_scale) -> None:
-        """The running accumulators to the new row maxima -- with a rescale threshold, only when
-        some row of the warp moved its maximum (a warp vote keeps the branch uniform)."""
+        """The running accumulators to the new row maxima."""
         self.fold_row_sums(ctx, row_scale)
-        if cutlass.const_expr(self.rescale_threshold > 0.0):
-            lowest = row_scale[0]
-            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-                lowest = cute.arch.fmin(lowest, row_scale[r])
-            if cute.arch.vote_any_sync(lowest < Float32(1.0)):
-                self.rescale_accs(ctx, row_scale)
-        else:
-            self.rescale_accs(ctx, row_scale)
-
-    @cute.jit
-    def rescale_accs(self, ctx, row_scale) -> None:
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
 
     def fold_row_sums(self, ctx, row_scale) -> None:
@@ -510,17 +498,14 @@ class FlashFwdSm90:
         # The smem operand descriptors depend only on the warpgroup: built from a warp-uniform
         # slice they live in uniform registers, where HGMMA reads them (a per-thread slice puts
         # them in regular registers and costs an R2UR pair before every HGMMA).
-        wg_qk, wg_pv = thr_qk, thr_pv
-        if cutlass.const_expr(self.cfg.uniform_desc):
-            wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
+        wg_qk, wg_pv = self.mma_qk.get_slice(wg * 128), self.mma_pv.get_slice(wg * 128)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_O), mode=[0]),
                                 max_chains=self.cfg.max_chains,
-                                seed_sum=self.cfg.seed_row_sum, exp2_emu=self.cfg.exp2_emu,
-                                p_log2_offset=self.p_log2_offset, sum_rows=self.softmax_sums_rows,
-                                rescale_threshold=self.rescale_threshold, exp_bytes=self.softmax_exp_bytes)
-        # P of the block whose P V is still to be issued (intra-warpgroup overlap keeps it across
-        # iterations); same compact layout as the S accumulator.
+                                seed_sum=self.cfg.seed_row_sum, p_log2_offset=self.p_log2_offset,
+                                sum_rows=self.softmax_sums_rows, exp_bytes=self.softmax_exp_bytes)
+        # P of the block whose P V is still to be issued (kept across iterations); same compact
+        # layout as the S accumulator.
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ))
         ctx = warp_mma.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ,
@@ -584,10 +569,8 @@ class FlashFwdSm90:
         q_state.advance()
         return q_state, kv_state
 
-    # mbarrier waits (``kernels/waits.py``). On the persistent grid the DSL's sleeping wait cost ~20
-    # us per tile (the producer sleeping on Q's empty barrier through a whole tile; the consumers
-    # on Q's full one): N=512-1k ran at half the speed of one CTA per tile. The producer's
-    # sleeping wait measured better for the 3-warpgroup causal d=64 tile (docs/notes.md).
+    # mbarrier waits (``device/waits.py``): polling try_wait (``spin_waits``) or the DSL's sleeping
+    # wait, which on the persistent grid leaves a waiter asleep well past its barrier's completion.
     def wait_full(self, pipe, state) -> None:
         waits.wait_full(pipe, state, self.cfg.spin_waits)
 
@@ -612,43 +595,26 @@ class FlashFwdSm90:
         ``state``: the K/V pipelines' read position (carried from tile to tile); returned."""
         n_block_min = ctx.n_block_min
         edge_right = self.is_causal or self.is_local
-        if cutlass.const_expr(self.overlap):
-            # S and P of the first block; its P V is issued together with the next block's QK^T.
-            self.first_half(ctx, state, n_block_max - 1, mask_right=edge_right, mask_left=self.is_local)
-        else:
-            self.sched_sync(ctx)
-            state = self.one_block(ctx, state, n_block_max - 1, is_first=True, partial=True,
-                                   mask_right=edge_right, mask_left=self.is_local)
+        # S and P of the first block; its P V is issued together with the next block's QK^T.
+        self.first_half(ctx, state, n_block_max - 1, mask_right=edge_right, mask_left=self.is_local)
         n_block = n_block_max - 2
         if cutlass.const_expr(self.is_causal or self.is_local):
             # Blocks on the diagonal band: masked on the right (and left for narrow windows).
             lo = cutlass.max(right_start, n_block_min)
             for _ in cutlass.range(n_block - lo + 1, unroll=1):
-                state = self.step(ctx, state, n_block, mask_right=True, mask_left=self.is_local)
+                state = self.one_block(ctx, state, n_block, mask_right=True, mask_left=self.is_local)
                 n_block -= 1
         # Interior blocks: no mask at all.
         lo = cutlass.max(left_end, n_block_min)
         for _ in cutlass.range(n_block - lo + 1, unroll=1):
-            state = self.step(ctx, state, n_block, mask_right=False, mask_left=False)
+            state = self.one_block(ctx, state, n_block, mask_right=False, mask_left=False)
             n_block -= 1
         if cutlass.const_expr(self.is_local):
             # Left edge of the window.
             for _ in cutlass.range(n_block - n_block_min + 1, unroll=1):
-                state = self.step(ctx, state, n_block, mask_right=False, mask_left=True)
+                state = self.one_block(ctx, state, n_block, mask_right=False, mask_left=True)
                 n_block -= 1
-        if cutlass.const_expr(self.overlap):
-            state = self.last_half(ctx, state)
-        else:
-            self.sched_arrive(ctx)
-        return state
-
-    @cute.jit
-    def step(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
-             mask_left: cutlass.Constexpr[bool]):
-        if cutlass.const_expr(self.overlap):
-            return self.one_block_overlap(ctx, state, n_block, mask_right=mask_right, mask_left=mask_left)
-        return self.one_block(ctx, state, n_block, is_first=False, partial=False, mask_right=mask_right,
-                              mask_left=mask_left)
+        return self.last_half(ctx, state)
 
     @cute.jit
     def scores(self, ctx, acc_S, n_block: Int32, is_first: cutlass.Constexpr[bool],
@@ -665,35 +631,9 @@ class FlashFwdSm90:
         return ctx.softmax.online_softmax(acc_S, is_first=is_first)
 
     @cute.jit
-    def one_block(self, ctx, state, n_block: Int32, is_first: cutlass.Constexpr[bool],
-                  partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-                  mask_left: cutlass.Constexpr[bool]):
-        """No intra-warpgroup overlap: S = Q K^T, softmax, O += P V, in order. With ping-pong the
-        turn spans this block's P V and the next block's Q K^T."""
-        acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        # S = Q K^T (SS-wgmma); K's stage goes back to the producer as soon as it is consumed.
-        self.wait_full(ctx.pipe_k, state)
-        wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True,
-                wg_wait=-1)
-        self.sched_arrive(ctx)
-        warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(state)
-        row_scale = self.scores(ctx, acc_S, n_block, is_first, partial, mask_right, mask_left)
-        if cutlass.const_expr(not is_first):
-            self.rescale_o(ctx, row_scale)
-        self.convert_p(acc_S, ctx.rP)
-        # O += P V (RS-wgmma: P from registers).
-        self.wait_full(ctx.pipe_v, state)
-        self.sched_sync(ctx)
-        self.pv_gemm(ctx, state.index, 0)
-        ctx.pipe_v.consumer_release(state)
-        state.advance()
-        return state
-
-    @cute.jit
     def first_half(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
                    mask_left: cutlass.Constexpr[bool]):
-        """Intra-warpgroup overlap, first block: S, softmax and P only (its V stays acquired)."""
+        """First block: S, softmax and P only (its V stays acquired)."""
         acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         self.wait_full(ctx.pipe_k, state)
         wg_gemm(self.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, state.index], zero_init=True)
@@ -704,11 +644,11 @@ class FlashFwdSm90:
         self.convert_p(acc_S, ctx.rP)
 
     @cute.jit
-    def one_block_overlap(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
-                          mask_left: cutlass.Constexpr[bool]):
-        """Intra-warpgroup overlap: S(n) = Q K(n)^T and O += P(n+1) V(n+1) are issued back to back;
-        the softmax of S(n) runs while P V is still on the tensor cores. ``state`` is block n+1's
-        stage (its V not consumed yet)."""
+    def one_block(self, ctx, state, n_block: Int32, mask_right: cutlass.Constexpr[bool],
+                  mask_left: cutlass.Constexpr[bool]):
+        """S(n) = Q K(n)^T and O += P(n+1) V(n+1) are issued back to back; the softmax of S(n)
+        runs while P V is still on the tensor cores. ``state`` is block n+1's stage (its V not
+        consumed yet). With ping-pong the turn spans both GEMMs."""
         v_state = state.clone()
         state.advance()
         acc_S = cute.make_rmem_tensor(ctx.thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -735,7 +675,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def last_half(self, ctx, state):
-        """Intra-warpgroup overlap: P V of the last block visited."""
+        """P V of the last block visited."""
         if cutlass.const_expr(self.rescale_before_pv):
             self.rescale_o(ctx, ctx.row_scale)
         self.wait_full(ctx.pipe_v, state)

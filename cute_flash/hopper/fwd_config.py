@@ -12,52 +12,38 @@ import cutlass
 from cute_flash import jit, signatures
 from cute_flash.problem import Problem
 
-# Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong, intra-warpgroup overlap).
-# tile_m is 64 rows per consumer warpgroup; K and V each sit in a ``stages``-deep TMA pipeline.
-# Shared memory: Q tile_m*d + (K + V) stages*tile_n*d, 16-bit, must fit in the 227 KiB an sm90
-# block may use (d=256: 64 + 2*80 KiB = 224 KiB). Chosen by the H200 sweep in docs/notes.md
-# (scripts/tune_sm90.py, N=8k, best of two interleaved rounds, TFLOP/s): overlap is worth
-# +7-13% everywhere; ping-pong on top of it helps the 3-warpgroup d=64 tile (528 vs 515) and
-# non-causal d=256 (718 vs 699), is noise at d=128 (640 vs 640) and loses for masked d=64.
-SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    32: (128, 128, 2, 2, False, True),
-    # d=64: three consumer warpgroups (160 registers each) on 192 rows.
-    64: (192, 128, 2, 3, True, True),
-    96: (128, 128, 2, 2, False, True),
-    # d=128: 128x160 measured the same (639) and spends more registers; 3 K/V stages no better
-    # (633 vs 640).
-    128: (128, 128, 2, 2, False, True),
-    160: (128, 96, 2, 2, True, True),
-    192: (128, 96, 2, 2, True, True),
-    256: (128, 80, 2, 2, True, True),
+# Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong). tile_m is 64 rows per
+# consumer warpgroup; K and V each sit in a ``stages``-deep TMA pipeline. Shared memory: Q
+# tile_m*d + (K + V) stages*tile_n*d, 16-bit, within the 227 KiB an sm90 block may use.
+# Measured fastest on the H200 (scripts/tune/tune_sm90.py, docs/tuning.md).
+SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool]] = {
+    32: (128, 128, 2, 2, False),
+    64: (192, 128, 2, 3, True),  # three consumer warpgroups (160 registers each) on 192 rows
+    96: (128, 128, 2, 2, False),
+    128: (128, 128, 2, 2, False),
+    160: (128, 96, 2, 2, True),
+    192: (128, 96, 2, 2, True),
+    256: (128, 80, 2, 2, True),
 }
-# Causal / sliding-window variants where they differ (ping-pong measured no better for d >= 160).
-# d=64 causal keeps the 192-row tile: 460 vs 437 (128x128) at N=8k, 343 vs 338 at 2k.
-SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool, bool]] = {
-    160: (128, 96, 2, 2, False, True),
-    192: (128, 96, 2, 2, False, True),
-    256: (128, 80, 2, 2, False, True),
+# Causal / sliding-window variants where they differ: ping-pong measured no faster there.
+SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool]] = {
+    160: (128, 96, 2, 2, False),
+    192: (128, 96, 2, 2, False),
+    256: (128, 80, 2, 2, False),
 }
 
 SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
-# Persistent grid (one CTA per SM looping over tiles; it hides each tile's prologue, Q and the
-# first K, behind the previous tile's epilogue). Measured on the H200 (docs/notes.md, medians of
-# rotated passes, vs one CTA per tile):
-# - causal, tiles claimed from an atomic counter (longest first): +9% at N=2k and +3% at 8k for
-#   d=128, +8% / +2% for d=64, +2% at 2k but -2% at 8k for d=256. A static stride instead
-#   balances the unequal causal tiles badly (-15% at d=256, 8k).
-# - unmasked, static stride: +1.5-2% at N=2k for d=64/128, even at 4k, -2% at 8k (d=128: the
-#   persistent loop's extra uniform-register work per block shows on long tiles), -1% at d=256.
-# - causal d=64 (3 consumer warpgroups, ping-pong): the persistent grid lost at N <= 1k in both
-#   wait modes (119-230 vs 169-254 TFLOP/s with one CTA per tile), so it starts at 2k there.
+# Persistent grid (one CTA per SM looping over tiles) where it measured faster than one CTA per
+# tile on the H200 (docs/tuning.md): causal tiles claimed from an atomic counter, unmasked ones
+# by a static stride.
 SM90_PERSISTENT_UNMASKED_MAX_SEQLEN = 2048  # d <= 128
 SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN = 4096  # causal, d > 128
 SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN = 2048  # causal, d <= 64
 
 
-def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
-    """The tuned (tile_m, tile_n, stages, warpgroups, ping-pong, overlap) for a head dim."""
+def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool]:
+    """The tuned (tile_m, tile_n, stages, warpgroups, ping-pong) for a head dim."""
     if masked and d in SM90_FWD_TILES_MASKED:
         return SM90_FWD_TILES_MASKED[d]
     return SM90_FWD_TILES[d]
@@ -65,18 +51,20 @@ def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool, bool]:
 
 @dataclass(frozen=True)
 class FwdSm90Config(jit.KernelConfig):
-    """One sm90a forward variant (see ``FwdConfig`` for the meaning of the shared fields).
+    """One sm90a forward variant (see ``ampere.config.FwdConfig`` for the shared fields).
 
     ``num_mma_wg`` consumer warpgroups own ``tile_m / num_mma_wg`` query rows each; one more
-    warpgroup produces (TMA). ``pingpong``: the consumer warpgroups take turns at the tensor
-    cores (named barriers), so one's softmax overlaps the other's GEMMs. ``intra_wg_overlap``:
-    QK^T of the next block is issued together with P V of the current one, and the softmax runs
-    while P V is in flight. ``l2_sections``: tile order by sections of heads whose K/V fit in L2
-    (default for causal/local, with longest-first m-blocks) instead of head by head
-    (``kernels/tile_scheduler.py``). Zero / None fields take the head dim's entry in ``SM90_FWD_TILES``.
-    ``pack_gqa`` > 1: the query heads of one KV head share the M tile (short Nq); it must equal
-    H / H_kv of the inputs (the kernel reads head groups of that size) and divide ``tile_m``.
-    ``varlen``: packed (T, H, d) inputs with cu_seqlens, TMA boxes starting at each batch's first row.
+    warpgroup produces (TMA). Within a consumer warpgroup, QK^T of the next block is issued
+    together with P V of the current one, and the softmax runs while P V is in flight.
+    ``pingpong``: the consumer warpgroups also take turns at the tensor cores (named barriers), so
+    one's softmax overlaps the other's GEMMs. ``rescale_o_early``: O is rescaled one block late,
+    before the next P V is issued (wide O). ``l2_sections``: tile order by sections of heads whose
+    K/V fit in L2 (default for causal/local, with longest-first m-blocks) instead of head by head
+    (``device/tile_scheduler.py``). Zero / None fields take the head dim's entry in
+    ``SM90_FWD_TILES``. ``pack_gqa`` > 1: the query heads of one KV head share the M tile (short
+    Nq); it must equal H / H_kv of the inputs (the kernel reads head groups of that size) and
+    divide ``tile_m``. ``varlen``: packed (T, H, d) inputs with cu_seqlens, TMA boxes starting at
+    each batch's first row.
     """
 
     dtype: str = "bf16"
@@ -91,21 +79,13 @@ class FwdSm90Config(jit.KernelConfig):
     num_mma_wg: int = 0
     stages: int = 0
     pingpong: bool | None = None
-    intra_wg_overlap: bool | None = None
     l2_sections: bool | None = None
     rescale_o_early: bool | None = None
     pack_gqa: int = 1
     # Seed each row's sum chain with row_sum * scale (flash-attn-4's order): in SASS the O rescale
-    # then interleaves with the exponentials instead of trailing them. Off until measured.
+    # then interleaves with the exponentials instead of trailing them.
     seed_row_sum: bool | None = None
-    # 1 in ``exp2_emu`` of the softmax exponentials computed by a polynomial on the FMA pipe
-    # (``kernels/softmax.exp2_poly``) instead of the MUFU; 0: none (None: the variant's default,
-    # none for 16-bit inputs, where the tensor cores and not the MUFU bound the loop).
-    exp2_emu: int | None = None
-    # wgmma operand descriptors from a warp-uniform warpgroup slice (uniform registers, no R2UR
-    # before each HGMMA); mbarrier waits that poll try_wait instead of sleeping (hopper/fwd.py;
-    # default everywhere but the masked 3-warpgroup d=64 tile, where spinning measured slower).
-    uniform_desc: bool = True
+    # mbarrier waits that poll try_wait instead of sleeping (``device/waits.py``).
     spin_waits: bool | None = None
     # Persistent grid of ``num_ctas`` CTAs (the SM count) looping over the tiles; 0: one CTA per
     # tile. Dense inputs only (ignored for varlen).
@@ -126,7 +106,7 @@ class FwdSm90Config(jit.KernelConfig):
         d = max(self.hdim, self.hdim_v)
         if d not in SM90_FWD_TILES:
             raise ValueError(f"sm90 forward: unsupported head dim {d}")
-        defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong", "intra_wg_overlap"),
+        defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong"),
                             sm90_tile(d, self.causal or self.local), strict=True))
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
@@ -139,12 +119,11 @@ class FwdSm90Config(jit.KernelConfig):
         if self.l2_sections is None:
             object.__setattr__(self, "l2_sections", self.causal or self.local)
         if self.spin_waits is None:
+            # Sleeping waits measured faster only for the masked 3-warpgroup d=64 tile.
             object.__setattr__(self, "spin_waits", not ((self.causal or self.local) and self.num_mma_wg == 3))
         if self.seed_row_sum is None:
-            # Measured at d=128 (+1% non-causal, +3% causal at N=8k); neutral or worse at 64 / 256.
+            # Measured faster at d=128 only (docs/tuning.md).
             object.__setattr__(self, "seed_row_sum", self.hdim == self.hdim_v == 128)
-        if self.exp2_emu is None:
-            object.__setattr__(self, "exp2_emu", 0)
         if self.num_mma_wg not in (2, 3):
             raise ValueError("sm90 forward: 2 or 3 consumer warpgroups")
         if self.tile_m != 64 * self.num_mma_wg:

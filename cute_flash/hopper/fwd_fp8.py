@@ -1,4 +1,4 @@
-"""FP8 (e4m3) FlashAttention-3 forward for Hopper (issue 5): the bf16 kernel of ``hopper/fwd.py``
+"""FP8 (e4m3) FlashAttention-3 forward for Hopper: the bf16 kernel of ``hopper/fwd.py``
 with e4m3 Q, K, V and k32 wgmma for both GEMMs, bf16 O.
 
 What differs from 16 bit, and why:
@@ -12,7 +12,7 @@ What differs from 16 bit, and why:
   swaps 16-bit pairs with the other three lanes of its quad (``quad_exchange_p``, 4 shuffles
   and 4 byte merges per 32 keys and row pair). With V stored in the kernel's token order
   (``v_perm``, ``fp8_ref.V_PERM16``: the ``fp8=True`` path) the lane already holds its bytes and
-  only the merges remain (``merge_own_p``; +6-11% measured).
+  only the merges remain (``merge_own_p``).
 * The per-(batch, kv head) descales fold into the scores' exp2 scale (q_descale * k_descale) and
   into O's final 1 / row-sum factor (v_descale); LSE comes out in the descaled units.
 * P is computed as ``fp8_ref.P_SCALE`` * p by the exp2 itself (an offset on its argument), which
@@ -38,9 +38,6 @@ from cute_flash.hopper.fwd import FlashFwdSm90
 
 # Columns of the ones block (the narrowest wgmma N).
 SUM_COLS = 8
-# ``lazy_rescale``: a row's max moves only when it grows by more than this (log2 units). P is
-# 2^(x + 8) with x <= this, at most 256 * 2^0.75 = 431 -- within e4m3's 448 (saturating anyway).
-LAZY_RESCALE_LOG2 = 0.75
 
 
 @cute.jit
@@ -113,7 +110,6 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.p_log2_offset = EXP_BYTES_LOG2_SCALE if cfg.exp_bytes else math.log2(P_SCALE)
         self.softmax_exp_bytes = cfg.exp_bytes
         self.softmax_sums_rows = not cfg.sum_mma
-        self.rescale_threshold = LAZY_RESCALE_LOG2 if cfg.lazy_rescale else 0.0
 
     def _setup(self) -> None:
         self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
@@ -184,10 +180,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         else:
             # P V and P 1 in one commit group (the callers' wait_group counts stay as they are).
             # The sums restart at every block: an fp8 wgmma adds into its fp32 accumulator with
-            # only ~14 bits kept below the largest term (DeepSeek-V3's measurement on Hopper),
-            # so a sum carried across blocks stops growing once it is ~2^13 times a block's P --
-            # measured 15% low at 8k keys, 32% at 16k. ``fold_row_sums`` adds each block's
-            # sum in fp32 registers instead.
+            # only ~14 bits kept below the largest term, so a sum carried across blocks stops
+            # growing once it is ~2^13 times a block's P. ``fold_row_sums`` adds each block's sum
+            # in fp32 registers instead.
             warpgroup.fence()
             rP = self.p_operand(ctx.rP)
             num_k = cute.size(rP, mode=[2])
@@ -267,7 +262,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     @cute.jit
     def pack_p_codes(self, acc_S: cute.Tensor, rP: cute.Tensor) -> None:
         """``exp_bytes``: the S registers hold e4m3 codes times 2^-24; four to a word
-        (``p_code_sources``, ``kernels.convert.pack_codes``), then the quad exchange unless V is
+        (``p_code_sources``, ``device.convert.pack_codes``), then the quad exchange unless V is
         in the kernel order."""
         words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32),
                                  cute.make_layout(self.tile_n // 8))

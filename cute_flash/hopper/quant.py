@@ -1,4 +1,4 @@
-"""Quantize-and-rotate for the FP8 forward (issue 5): ``cute_flash.reference_fp8.quantize_qkv_ref`` as a
+"""Quantize-and-rotate for the FP8 forward: ``cute_flash.reference_fp8.quantize_qkv_ref`` as a
 CuTe-DSL kernel, in two phases over the same grid.
 
 * ``amax``: per (batch, kv head) the largest |x M| (Q, K rotated) or |x| (V), one float atomic
@@ -269,8 +269,7 @@ class QuantizeSm90:
     def v_tile(self):
         # Token-contiguous columns (the 16-token reads below), padded by 4 bytes. (Lane l writes
         # columns l * E .. l * E + E - 1 of a row, (rows + 4) bytes apart: at E = 2 / 4 / 8 the
-        # 32 lanes share 16 / 8 / 4 banks -- 2- to 8-way conflicts on these byte stores, a known
-        # cost of the quantize kernels not yet removed.)
+        # 32 lanes share 16 / 8 / 4 banks -- 2- to 8-way conflicts on these byte stores.)
         return SmemAllocator().allocate_tensor(cutlass.Float8E4M3FN, self.smem_layout(), 16)
 
     @cute.jit
