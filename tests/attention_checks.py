@@ -1,5 +1,5 @@
-"""The accuracy rule of the GPU tests and the helpers that apply it (imported by the ``test_gpu_*``
-modules).
+"""The accuracy rule of the GPU tests and the helpers that apply it (imported by the modules of
+``tests/gpu``).
 
     max|ours - ref| <= 2 * max|same_dtype - ref| + floor
 
@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 import cute_flash
 from cute_flash.reference import attention_ref
+
+
+def is_hopper() -> bool:
+    """A CUDA GPU of compute capability 9.x: what the sm90 and FP8 kernels run on."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# For the modules of Hopper-only kernels (with ``pytest.mark.gpu``).
+needs_hopper = pytest.mark.skipif(not is_hopper(), reason="needs an sm90 (Hopper) GPU")
 
 FLOOR_FWD = 1e-5  # out, lse
 FLOOR_BWD = 1e-4  # dq, dk, dv

@@ -1,24 +1,43 @@
-"""Shared test setup: the ``gpu`` marker skips itself without CUDA, and ``seed`` gives each test
-fresh random inputs whose seed is printed (shown by pytest when the test fails)."""
+"""Shared test setup for ``tests/cpu`` (no GPU needed) and ``tests/gpu`` (every test marked ``gpu``):
+the ``gpu`` marker skips itself without CUDA, ``seed`` gives each test fresh random inputs whose
+seed is printed (shown by pytest when the test fails), and the shared helpers of this folder
+(``attention_checks``, ``sass_manifest``) import from either subfolder, whatever the rootdir or
+import mode."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
 
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
+# The tests this run executes (after ``-m`` / ``-k`` deselection): module fixtures that compile in
+# parallel ask it which variants to build.
+SELECTED_ITEMS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[SELECTED_ITEMS] = list(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def selected_tests(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The test items this run executes, after deselection."""
+    return request.config.stash.get(SELECTED_ITEMS, [])
 
 
 @pytest.fixture(autouse=True)
@@ -42,15 +61,14 @@ def seed() -> int:
 
 @pytest.fixture
 def fake_launchers(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Stand-in kernel modules (``cute_flash.fwd``/``cute_flash.bwd``) that record their calls, and
-    a no-op ``torch.cuda.device``, so the CUDA implementations of the ops run with CPU tensors and
-    their side of the launcher interface can be checked without a GPU."""
+    """Stand-in launchers (``cute_flash.launch.run_fwd`` / ``run_bwd``, which the ops' CUDA
+    implementations call) that record their calls, and a no-op ``torch.cuda.device``, so those
+    implementations run with CPU tensors and their side of the launcher interface can be checked
+    without a GPU. Each call is recorded as ``(kind, args, kwargs)``, kind ``fwd`` or ``bwd``."""
+    from cute_flash import launch
+
     calls: list = []
-    fwd_mod = types.ModuleType("cute_flash.fwd")
-    bwd_mod = types.ModuleType("cute_flash.bwd")
-    fwd_mod.run_fwd = lambda *a, **kw: calls.append(("fwd", a, kw))
-    bwd_mod.run_bwd = lambda *a, **kw: calls.append(("bwd", a, kw))
-    monkeypatch.setitem(sys.modules, "cute_flash.fwd", fwd_mod)
-    monkeypatch.setitem(sys.modules, "cute_flash.bwd", bwd_mod)
+    monkeypatch.setattr(launch, "run_fwd", lambda *a, **kw: calls.append(("fwd", a, kw)))
+    monkeypatch.setattr(launch, "run_bwd", lambda *a, **kw: calls.append(("bwd", a, kw)))
     monkeypatch.setattr(torch.cuda, "device", lambda _dev: contextlib.nullcontext())
     return calls

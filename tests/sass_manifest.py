@@ -1,7 +1,7 @@
 """The SASS manifest: a digest of the machine code of every shipped kernel variant, so a change to
 the host code (module layout, configs, dispatch) can show that the kernels it launches are the same.
 
-A variant is named by what a user asks for (``inspect.Variant``: arch, direction, dtype, head dims,
+A variant is named by what a user asks for (``dispatch.Variant``: arch, direction, dtype, head dims,
 masks, features) and compiled through the launch path's own choice of kernels, so the manifest
 holds whatever the dispatch picks for it. ``python tests/sass_manifest.py`` rewrites
 ``tests/sass_manifest.json`` (do that only for a change meant to alter the machine code, and say so
@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from cute_flash import inspect as ins
+from cute_flash.tools import inspect as ins
 
 MANIFEST = Path(__file__).with_name("sass_manifest.json")
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cute_flash.kernels.tile_scheduler import (
+from cute_flash.device.tile_scheduler import (
     balanced_section_order,
     planned_section_order,
     section_order,

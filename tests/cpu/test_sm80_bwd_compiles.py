@@ -15,11 +15,18 @@ import tempfile
 
 import pytest
 
-from cute_flash import jit
-from cute_flash.bwd import SM80_BWD_TILES, SM80_BWD_TILES_SOFTCAP, SM80_SMEM_BYTES, BwdConfig, bwd_configs
-from cute_flash.fwd import SUPPORTED_HDIMS
+from cute_flash import dispatch, jit
+from cute_flash.ampere.config import SM80_BWD_TILES, SM80_BWD_TILES_SOFTCAP, SM80_SMEM_BYTES, BwdConfig
+from cute_flash.problem import Problem
+from cute_flash.validate import SUPPORTED_HEAD_DIMS
 
 TARGET = "sm_80"
+
+
+def bwd_configs(dtype: str = "bf16", hdim: int = 128, hdim_v: int | None = None, **flags: bool) -> tuple:
+    """(preprocess, main, postprocess) of one sm80 backward variant, as the launchers get them."""
+    p = Problem(target=TARGET, dtype=dtype, hdim=hdim, hdim_v=hdim if hdim_v is None else hdim_v, **flags)
+    return dispatch.bwd_configs(p, "sm80")
 
 
 def _cuobjdump() -> str | None:
@@ -80,35 +87,34 @@ MASKS = {"plain": dict(causal=False, local=False), "causal": dict(causal=True, l
 # Softcap is in the full grid because it is the register-heaviest feature (1 - tanh^2 of every
 # score stays live from S to dS); varlen and deterministic change addressing, not the peak, and
 # are covered below.
-@pytest.mark.parametrize("softcap", [False, True], ids=["nocap", "softcap"])
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("hdim", SUPPORTED_HDIMS)
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+GRID = [(dtype, hdim, mask, softcap) for dtype in ("bf16", "fp16") for hdim in SUPPORTED_HEAD_DIMS
+        for mask in MASKS for softcap in (False, True)]
+# One variant in the fast tier (bf16 d = 128 causal, the most used); the others are ``slow``.
+FAST = ("bf16", 128, "causal", False)
+
+
+@pytest.mark.parametrize("dtype,hdim,mask,softcap", [
+    pytest.param(*g, id=f"{g[0]}-d{g[1]}-{g[2]}-{'softcap' if g[3] else 'nocap'}",
+                 marks=() if g == FAST else pytest.mark.slow) for g in GRID])
 def test_bwd_variant(dtype: str, hdim: int, mask: str, softcap: bool) -> None:
-    check_variant(bwd_configs(TARGET, dtype, hdim, hdim, softcap=softcap, varlen=False, deterministic=False,
-                              **MASKS[mask]))
+    check_variant(bwd_configs(dtype, hdim, softcap=softcap, **MASKS[mask]))
 
 
 # Features orthogonal to the mask, each on a few head dims (the register-heaviest included).
 EXTRA = [
-    dict(dtype="bf16", hdim=128, hdim_v=128, causal=False, local=False, softcap=True, varlen=False,
-         deterministic=False),
-    dict(dtype="fp16", hdim=256, hdim_v=256, causal=True, local=False, softcap=True, varlen=False,
-         deterministic=False),
-    dict(dtype="bf16", hdim=64, hdim_v=64, causal=True, local=False, softcap=False, varlen=True,
-         deterministic=False),
-    dict(dtype="bf16", hdim=128, hdim_v=128, causal=True, local=False, softcap=False, varlen=False,
-         deterministic=True),
-    dict(dtype="fp16", hdim=96, hdim_v=96, causal=False, local=True, softcap=True, varlen=True,
-         deterministic=True),
-    dict(dtype="bf16", hdim=192, hdim_v=128, causal=True, local=False, softcap=False, varlen=False,
-         deterministic=False),
+    dict(dtype="bf16", hdim=128, softcap=True),
+    dict(dtype="fp16", hdim=256, causal=True, softcap=True),
+    dict(dtype="bf16", hdim=64, causal=True, varlen=True),
+    dict(dtype="bf16", hdim=128, causal=True, deterministic=True),
+    dict(dtype="fp16", hdim=96, local=True, softcap=True, varlen=True, deterministic=True),
+    dict(dtype="bf16", hdim=192, hdim_v=128, causal=True),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", EXTRA, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_bwd_feature_variant(kw: dict) -> None:
-    check_variant(bwd_configs(TARGET, **kw))
+    check_variant(bwd_configs(**kw))
 
 
 def test_tile_table_fits_sm80() -> None:
@@ -130,29 +136,29 @@ def test_configs_share_the_dq_layout() -> None:
     """Pre/post kernels must use the main kernel's query tile and dQ MMA (the accumulator's
     fragment order), and the configs must be hashable cache keys."""
     for deterministic in (False, True):
-        pre, main, post = bwd_configs(TARGET, "bf16", 128, 128, True, False, False, True, deterministic)
+        pre, main, post = bwd_configs("bf16", 128, causal=True, varlen=True, deterministic=deterministic)
         assert isinstance(main, BwdConfig)
         assert pre.tile_m == main.tiles.tile_m and post.tiles == main.tiles
         assert pre.deterministic == deterministic and pre.varlen and post.varlen
         assert len({pre, main, post, main}) == 3
     with pytest.raises(ValueError):
-        bwd_configs(TARGET, "bf16", 80, 80, False, False, False, False, False)
+        bwd_configs("bf16", 80)
 
 
 def test_varlen_scratch_holds_every_padded_batch() -> None:
     """The packed scratch rows of batch b start at (cu_q[b] + b*tile_m) // tile_m * tile_m (the
-    formula of cute_flash.kernels.bwd_math.padded_offset_q): batches must not overlap and must fit
-    in what run_bwd allocates, for any lengths (empty ones included)."""
+    formula of cute_flash.device.scratch.padded_offset_q): batches must not overlap and must fit
+    in what ``launch.run_bwd`` allocates, for any lengths (empty ones included)."""
     import random
 
     import torch
 
-    from cute_flash.bwd import alloc_scratch
+    from cute_flash.launch import alloc_scratch
 
     rng = random.Random(0)
     for _ in range(300):
-        hdim = rng.choice(SUPPORTED_HDIMS)
-        cfg = bwd_configs(TARGET, "bf16", hdim, hdim, False, False, False, True, True)[1]
+        hdim = rng.choice(SUPPORTED_HEAD_DIMS)
+        cfg = bwd_configs("bf16", hdim, varlen=True, deterministic=True)[1]
         tm = cfg.tiles.tile_m
         lens = [rng.choice([0, 1, tm - 1, tm, tm + 1, rng.randint(0, 700)]) for _ in range(rng.randint(1, 6))]
         cu = [0]
@@ -171,6 +177,7 @@ def test_varlen_scratch_holds_every_padded_batch() -> None:
         assert end <= rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_preprocess_with_an_lse_gradient_reads_it_once_per_row(target: str, varlen: bool) -> None:
@@ -178,10 +185,10 @@ def test_preprocess_with_an_lse_gradient_reads_it_once_per_row(target: str, varl
     one FSUB per row it owns), no spills; the main kernel is unchanged (D carries the term)."""
     import dataclasses
 
-    from cute_flash.bwd_sm90 import BwdSm90Config
+    from cute_flash.hopper.bwd_config import BwdSm90Config
 
     if target == "sm_80":
-        base = bwd_configs(target, "bf16", 128, 128, True, False, False, varlen, False)[0]
+        base = bwd_configs("bf16", 128, causal=True, varlen=varlen)[0]
     else:
         base = BwdSm90Config(target=target, hdim=128, causal=True, varlen=varlen).pre()
     plain_ptx = check_no_spills(base)

@@ -23,7 +23,7 @@ def test_every_shipped_variant_compiles_to_the_recorded_sass() -> None:
 
 
 def test_sass_digests_ignore_addresses_and_symbol_names() -> None:
-    from cute_flash import inspect as ins
+    from cute_flash.tools import inspect as ins
 
     def listing(name: str, base: int) -> str:
         return "\n".join([f".text.{name}:", f"        /*{base:04x}*/   IMAD R0, R1, 0x4, RZ ;  /* 0x123 */",

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from cute_flash.kernels.bwd_math import rotated_add_rank
+from cute_flash.device.scratch import rotated_add_rank
 
 
 def rotated_plan(num_n: int, num_m: int):

@@ -1,4 +1,4 @@
-"""The FP8 references (issue 5) against dense math: the Hadamard rotation is orthogonal and leaves
+"""The FP8 references against dense math: the Hadamard rotation is orthogonal and leaves
 Q K^T unchanged, the quantizer stays within e4m3 rounding of its input with FA3's per-(batch, kv
 head) scales, the FP8 attention reference equals dense attention on the dequantized inputs, and on
 the FA3 paper's outlier inputs the rotation lowers the error."""
@@ -10,18 +10,17 @@ import math
 import pytest
 import torch
 
-from cute_flash.fp8_ref import (
-    E4M3_MAX,
+from cute_flash.formats import E4M3_MAX, hadamard_signs
+from cute_flash.reference import attention_ref
+from cute_flash.reference_fp8 import (
     attention_fp8_ref,
     fp8_rmse_table,
     fwht,
     hadamard_matrix,
-    hadamard_signs,
     outlier_qkv,
     quantize_qkv_ref,
     rotate,
 )
-from cute_flash.reference import attention_ref
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -106,7 +105,7 @@ def test_varlen_v_offsets_are_remembered_per_tensor_until_it_is_written() -> Non
     """The per-sequence 16-aligned V starts: each length rounded up to 16 after the previous start;
     computed once per cu_seqlens tensor, again after an in-place write (version counter) and for
     another tensor with the same values."""
-    from cute_flash.fp8_ref import v_varlen_aligned, v_varlen_packed, varlen_v_offsets
+    from cute_flash.formats import v_varlen_aligned, v_varlen_packed, varlen_v_offsets
 
     cu = torch.tensor([0, 5, 5, 40, 41], dtype=torch.int32)
     cu_v, t_v = varlen_v_offsets(cu, 41)
@@ -128,8 +127,6 @@ def test_summing_the_quantized_p_makes_each_output_row_a_weighted_average() -> N
     """``sum_quantized_p`` (the kernel's ``sum_mma``): O is divided by the sum of the e4m3 P that
     multiplied V, so a V of ones gives exactly ones; with the unquantized sums it is off by P's
     rounding, and the LSE moves by about that much."""
-    from cute_flash.fp8_ref import attention_fp8_ref
-
     torch.manual_seed(0)
     q8, k8 = (torch.randn(1, 64, 2, 32).to(torch.float8_e4m3fn) for _ in range(2))
     v8 = torch.ones(1, 64, 2, 32).to(torch.float8_e4m3fn)

@@ -1,4 +1,4 @@
-"""The FP8 forward through the public API (issue 5), on the CPU (the ops' reference
+"""The FP8 forward through the public API, on the CPU (the ops' reference
 implementations): e4m3 inputs with descales and ``fp8=True`` give the reference's results, bad
 input is refused before anything runs, ``torch.compile(fullgraph=True)`` traces the path, and V
 in the kernel's token order gives the same attention."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cute_flash import flash_attn_func, quantize_qkv
-from cute_flash.fp8_ref import attention_fp8_ref, quantize_qkv_ref, v_storage_strides
+from cute_flash.formats import v_storage_strides
+from cute_flash.reference_fp8 import attention_fp8_ref, quantize_qkv_ref
 
 
 def _inputs(b=2, nq=40, nk=56, h=4, hkv=2, d=64, dtype=torch.bfloat16):
@@ -218,7 +219,7 @@ def test_torch_compile_traces_the_varlen_fp8_path() -> None:
 
 
 def test_opcheck_varlen_fp8_ops() -> None:
-    from cute_flash.fp8_ref import quantize_qkv_varlen_ref
+    from cute_flash.reference_fp8 import quantize_qkv_varlen_ref
 
     utils = ("test_faketensor", "test_autograd_registration")
     q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()
@@ -233,7 +234,8 @@ def test_opcheck_varlen_fp8_ops() -> None:
 def test_opcheck_varlen_fp8_ops_with_v_in_the_kernel_layout() -> None:
     """``v_aligned`` (the ``fp8=True`` path): quantize writes V with every sequence 16-aligned and
     the attention op reads it as it is; the fake shapes (a bound on T_v) match the real ones."""
-    from cute_flash.fp8_ref import quantize_qkv_varlen_ref, v_varlen_aligned
+    from cute_flash.formats import v_varlen_aligned
+    from cute_flash.reference_fp8 import quantize_qkv_varlen_ref
 
     utils = ("test_faketensor", "test_autograd_registration")
     q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs()

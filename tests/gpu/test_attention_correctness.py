@@ -12,9 +12,9 @@ Compiling the kernel variants dominates the run time; inputs are fresh random nu
 
 Forward kernel family: every test runs what the public API runs (``CUTE_FLASH_FWD_KERNEL``, default
 ``auto``: the sm90 FA3 forward on Hopper, the sm80 FA2 one elsewhere; the backward likewise, see
-``bwd.bwd_family``). A few cases force the sm80 kernels on Hopper so that they stay covered there,
+``dispatch.bwd_family``). A few cases force the sm80 kernels on Hopper so that they stay covered there,
 and one 128k-token causal problem checks that the forward's memory is O(N). Document packs
-(varlen) have their own module, ``test_gpu_document_packs``.
+(varlen) have their own module, ``test_document_packs``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import jit
-from cute_flash.fwd import FWD_KERNEL_ENV, FwdConfig
+from cute_flash import jit, launch
+from cute_flash.dispatch import BWD_KERNEL_ENV, FWD_KERNEL_ENV, fwd_family
+from cute_flash.memo import HostMemo
 from cute_flash.reference import attention_ref, visible_mask
 
 from attention_checks import (
@@ -261,7 +262,8 @@ def is_hopper() -> bool:
 
 @pytest.fixture
 def compiled_families(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the kernels compiled (or fetched from the cache) by launches in this test."""
+    """Names of the kernels compiled (or fetched from the compile cache) by launches in this test:
+    the launcher's memo of kernels by input metadata starts empty, so every launch asks."""
     seen: list[str] = []
     real = jit.compile_kernel
 
@@ -270,6 +272,7 @@ def compiled_families(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real(cfg, keep)
 
     monkeypatch.setattr(jit, "compile_kernel", spy)
+    monkeypatch.setattr(launch, "_FWD_KERNELS", HostMemo(512))
     return seen
 
 
@@ -319,12 +322,11 @@ def test_sm90_forced_on_a_gpu_that_is_not_hopper_raises(monkeypatch):
 
 
 def test_forward_family_choice_is_read_per_call(monkeypatch):
+    arch = jit.resolve_arch(torch.device("cuda"))
     monkeypatch.setenv(FWD_KERNEL_ENV, "sm80")
-    from cute_flash.fwd import fwd_family
-
-    assert fwd_family(torch.device("cuda")) is FwdConfig
+    assert fwd_family(arch) == "sm80"
     monkeypatch.delenv(FWD_KERNEL_ENV)
-    assert (fwd_family(torch.device("cuda")) is FwdConfig) != is_hopper()
+    assert fwd_family(arch) == ("sm90" if is_hopper() else "sm80")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,13 +410,11 @@ POISON_CASES = [
 
 @pytest.mark.parametrize("case", POISON_CASES, ids=str)
 def test_forward_launcher_overwrites_nan_poisoned_outputs(seed, case):
-    from cute_flash.fwd import run_fwd
-
     q, k, v = make_qkv(case)
     out = torch.full((*q.shape[:-1], case.dv), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((case.batch, case.heads[0], case.nq), float("nan"), device="cuda")
     scale = case.hdim ** -0.5
-    run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=case.causal, window_size=case.window,
+    launch.run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=case.causal, window_size=case.window,
             softcap=case.softcap)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
@@ -425,8 +425,6 @@ def test_forward_launcher_overwrites_nan_poisoned_outputs(seed, case):
 
 
 def test_varlen_forward_launcher_overwrites_nan_poisoned_outputs(seed):
-    from cute_flash.fwd import run_fwd
-
     lens_q, lens_k = [0, 130, 1, 77], [50, 0, 200, 77]
     q = torch.randn(sum(lens_q), 4, 64, dtype=BF16, device="cuda")
     k = torch.randn(sum(lens_k), 2, 64, dtype=BF16, device="cuda")
@@ -434,7 +432,7 @@ def test_varlen_forward_launcher_overwrites_nan_poisoned_outputs(seed):
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((4, sum(lens_q)), float("nan"), device="cuda")
-    run_fwd(q, k, v, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0,
+    launch.run_fwd(q, k, v, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
@@ -447,14 +445,12 @@ def test_varlen_forward_launcher_overwrites_nan_poisoned_outputs(seed):
 
 @pytest.mark.parametrize("case", POISON_CASES, ids=str)
 def test_backward_launcher_overwrites_nan_poisoned_gradients(seed, case):
-    from cute_flash.bwd import run_bwd
-
     q, k, v = make_qkv(case)
     kw = dict(softmax_scale=case.hdim ** -0.5, **case.kwargs())
     out, lse = cute_flash.flash_attn_func(q, k, v, return_lse=True, **kw)
     dout = torch.randn_like(out)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    run_bwd(dout, q, k, v, out, lse, dq, dk, dv, deterministic=True, **kw)
+    launch.run_bwd(dout, q, k, v, out, lse, dq, dk, dv, deterministic=True, **kw)
     torch.cuda.synchronize()
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert not g.isnan().any(), f"{name} keeps NaN: not every element was written [{case}]"
@@ -497,8 +493,6 @@ LSE_GRAD_CASES = [  # (case, backward family: auto = sm90 on Hopper where it cov
 def test_gradient_through_lse_within_twice_pytorch_error(seed, case, family, monkeypatch):
     """A used LSE: its gradient is folded into the preprocess's D (one backward pass), in both
     backward families; also with the LSE as the only output used, and packed (varlen)."""
-    from cute_flash.bwd import BWD_KERNEL_ENV
-
     monkeypatch.setenv(BWD_KERNEL_ENV, family)
 
     def loss_grads(fn, q, k, v, dout, dlse, **kw):

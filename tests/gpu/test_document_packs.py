@@ -7,7 +7,7 @@ like the keys or on their own lengths, forward and backward against the fp32 ref
 accuracy rule of ``attention_checks``. Grids are sized by ``max_seqlen``, so most CTAs of a pack
 fall past the end of their sequence; the per-sequence scratch of the backward holds only each
 sequence's own tiles. A new pack is drawn from each run's seed (printed; ``CUTE_FLASH_SEED``
-replays it). The FP8 varlen path has its pack test in ``test_fp8_fwd``.
+replays it). The FP8 varlen path has its pack test in ``test_fp8_fwd_matches_reference``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from cute_flash.dispatch import BWD_KERNEL_ENV
 
 from attention_checks import balanced_sample, check_against_rule, cu_seqlens, make_tensor, random_pack
 
@@ -104,8 +106,6 @@ def test_pack_ending_in_a_short_sequence_within_twice_pytorch_error(seed, lens, 
 
 def test_random_document_pack_on_the_sm80_backward(seed, monkeypatch):
     """The FA2 backward (every GPU; forced on Hopper) on a random pack."""
-    from cute_flash.bwd import BWD_KERNEL_ENV
-
     monkeypatch.setenv(BWD_KERNEL_ENV, "sm80")
     rng = random.Random(seed)
     lens = random_pack(rng, max_total=8000)

@@ -4,6 +4,7 @@ forward must use, and keeps everything in registers (no spills, no local memory)
 The variants are compiled once, in parallel worker processes (compiling is CPU-bound and a variant
 takes 3-10 s), by a module fixture that compiles only the variants pytest selected; each variant is
 then its own test. ``CUTE_FLASH_COMPILE_WORKERS`` sets the number of processes (default: CPU count).
+One variant is in the fast tier, the others are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 
 import pytest
 
-from cute_flash import inspect as ins
-from cute_flash.fwd import SUPPORTED_HDIMS
+from cute_flash.tools import inspect as ins
+from cute_flash.validate import SUPPORTED_HEAD_DIMS
 
 SM80_SMEM_LIMIT = 166912  # bytes of shared memory one block may use on sm_80 (163 KiB)
 
@@ -22,7 +23,7 @@ SM80_SMEM_LIMIT = 166912  # bytes of shared memory one block may use on sm_80 (1
 def _variants() -> list[ins.Variant]:
     out = []
     for dtype in ("bf16", "fp16"):
-        for d in SUPPORTED_HDIMS:
+        for d in SUPPORTED_HEAD_DIMS:
             for mode in ("plain", "causal", "local"):
                 out.append(ins.Variant(arch="sm_80", kernel="fwd", dtype=dtype, hdim=d,
                                        causal=mode == "causal", local=mode == "local"))
@@ -46,8 +47,8 @@ def _id(v: ins.Variant) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports(request: pytest.FixtureRequest) -> dict[ins.Variant, dict]:
-    selected = [item.callspec.params["variant"] for item in request.session.items
+def reports(request: pytest.FixtureRequest, selected_tests: list[pytest.Item]) -> dict[ins.Variant, dict]:
+    selected = [item.callspec.params["variant"] for item in selected_tests
                 if getattr(item, "originalname", None) == "test_sm80_fwd_variant"
                 and hasattr(item, "callspec")]
     workers = int(os.environ.get("CUTE_FLASH_COMPILE_WORKERS", os.cpu_count() or 1))
@@ -66,7 +67,13 @@ def reports(request: pytest.FixtureRequest) -> dict[ins.Variant, dict]:
     return dict(zip(selected, reps, strict=True))
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+# The fast tier's variant: bf16 d = 128 causal, the most used one.
+FAST = ins.Variant(arch="sm_80", kernel="fwd", dtype="bf16", hdim=128, causal=True)
+assert FAST in VARIANTS
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, id=_id(v), marks=() if v == FAST else pytest.mark.slow)
+                                     for v in VARIANTS])
 def test_sm80_fwd_variant(variant: ins.Variant, reports: dict[ins.Variant, dict]) -> None:
     rep = reports[variant]
     assert "error" not in rep, rep.get("error")
@@ -86,6 +93,6 @@ def test_sm80_fwd_variant(variant: ins.Variant, reports: dict[ins.Variant, dict]
 def test_grid_covers_shipped_variants() -> None:
     combos = {(v.dtype, v.hdim, v.causal, v.local) for v in VARIANTS}
     for dtype in ("bf16", "fp16"):
-        for d in SUPPORTED_HDIMS:
+        for d in SUPPORTED_HEAD_DIMS:
             assert {(dtype, d, False, False), (dtype, d, True, False), (dtype, d, False, True)} <= combos
     assert any(v.softcap for v in VARIANTS) and any(v.varlen for v in VARIANTS)

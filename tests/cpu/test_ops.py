@@ -259,6 +259,56 @@ def test_attention_passes_views_not_copies(monkeypatch):
         assert passed.data_ptr() == orig.data_ptr() and passed.shape == (1, 8, 4, 32)
 
 
+def test_attention_has_the_signature_of_sdpa():
+    """``scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+    is_causal=False, scale=None, enable_gqa=False)``, the tensors named as in this package."""
+    import inspect
+
+    params = inspect.signature(cute_flash.attention).parameters
+    assert [(name, p.default) for name, p in params.items()] == [
+        ("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty), ("v", inspect.Parameter.empty),
+        ("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None), ("enable_gqa", False)]
+
+
+def test_attention_takes_sdpa_arguments_by_position():
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(3))
+    torch.testing.assert_close(cute_flash.attention(q, k, v, None, 0.0, True, 0.3),
+                               cute_flash.attention(q, k, v, is_causal=True, scale=0.3))
+
+
+@pytest.mark.parametrize("mask", [torch.ones(8, 8, dtype=torch.bool), torch.zeros(1, 2, 8, 8),
+                                  torch.tril(torch.ones(8, 8, dtype=torch.bool))],
+                         ids=["bool-all-true", "float-zeros", "bool-causal"])
+def test_attention_refuses_a_mask_tensor(mask):
+    """Even a mask that hides nothing: the kernels take masks as ``is_causal`` / windows only."""
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(3))
+    with pytest.raises(ValueError, match="attn_mask tensors are not supported"):
+        cute_flash.attention(q, k, v, attn_mask=mask)
+    with pytest.raises(ValueError, match="attn_mask"):
+        cute_flash.attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("p", [0.1, 1.0, 1e-9, True, "0.0"])
+def test_attention_refuses_dropout(p):
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(3))
+    with pytest.raises(ValueError, match="dropout is not supported"):
+        cute_flash.attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("p", [0.0, 0])
+def test_attention_accepts_zero_dropout(p):
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(3))
+    torch.testing.assert_close(cute_flash.attention(q, k, v, dropout_p=p), cute_flash.attention(q, k, v))
+
+
+def test_attention_refuses_before_launching_anything(fake_launchers):
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(3))
+    for kw in (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), dict(dropout_p=0.5)):
+        with pytest.raises(ValueError):
+            cute_flash.attention(q, k, v, **kw)
+    assert fake_launchers == []
+
+
 def test_attention_requires_enable_gqa_for_fewer_kv_heads():
     q, k, v = torch.randn(1, 4, 8, 32, dtype=BF16), *(torch.randn(1, 2, 8, 32, dtype=BF16) for _ in range(2))
     with pytest.raises(ValueError, match="enable_gqa=True"):

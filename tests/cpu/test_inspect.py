@@ -1,6 +1,6 @@
-"""``cute_flash.inspect`` / ``python -m cute_flash inspect``: the parsers on fixed snippets (fast), the
-(arch, kernel, family) registry, and the reports of real compiles of the sm80 forward, the sm80
-backward and the sm90 (Hopper) forward (no GPU needed)."""
+"""``cute_flash.tools.inspect`` / ``python -m cute_flash inspect``: the parsers on fixed snippets
+(fast), which kernels a variant names (``dispatch.configs_for``), and the reports of real compiles
+of the sm80 forward, the sm80 backward and the sm90 (Hopper) forward (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cute_flash import inspect as ins
+import cute_flash
+from cute_flash.tools import inspect as ins
 
-REPO = Path(__file__).resolve().parents[1]
+# The checkout the package is imported from (where ``python -m cute_flash`` must find it).
+PACKAGE_ROOT = Path(cute_flash.__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +212,14 @@ def test_dynamic_smem_from_ir() -> None:
     assert ins.dynamic_smem_from_ir("") == {}
 
 
-def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cute_flash.fwd import FwdConfig
-    from cute_flash.fwd_sm90 import FwdSm90Config
+def test_variants_name_the_kernels_the_launchers_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dispatch.configs_for`` (re-exported by the inspect tool): what a GPU of the variant's arch
+    would launch, or the family the variant forces."""
+    from cute_flash import dispatch
+    from cute_flash.ampere.config import FwdConfig
+    from cute_flash.hopper.fwd_config import FwdSm90Config
 
+    assert ins.Variant is dispatch.Variant and ins.configs_for is dispatch.configs_for
     v = ins.Variant(arch="sm_90a", kernel="fwd", dtype="bf16", hdim=64, causal=True)
     (cfg,) = ins.configs_for(v)  # what an H200 runs: the Hopper forward
     assert isinstance(cfg, FwdSm90Config) and cfg.target == "sm_90a" and cfg.hdim == 64 and cfg.causal
@@ -221,13 +227,15 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(cfg) is FwdConfig and cfg.target == "sm_90a" and cfg.causal
     (cfg,) = ins.configs_for(dataclasses.replace(v, arch="sm_80"))
     assert type(cfg) is FwdConfig and cfg.target == "sm_80"
-    with pytest.raises(ValueError, match=r"no kernel family registered for sm_80/fwd\[sm90\]"):
+    with pytest.raises(ValueError, match="sm90 kernels compile for sm_90a only"):
         ins.configs_for(dataclasses.replace(v, arch="sm_80", family="sm90"))
+    with pytest.raises(ValueError, match="family must be one of"):
+        ins.configs_for(dataclasses.replace(v, family="fa3"))
     # The backward on Hopper: the FA3 main kernel + postprocess (sm80 preprocess) where it covers
     # the variant, else the sm80 code built for sm_90a -- as the launcher's auto mode picks.
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64))
     assert [type(c).__name__ for c in bwd] == ["BwdPreConfig", "BwdSm90Config", "BwdSm90PostConfig"]
-    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=192, hdim_v=128))  # GPU-checked
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=192, hdim_v=128))
     assert [type(c).__name__ for c in bwd] == ["BwdPreConfig", "BwdSm90Config", "BwdSm90PostConfig"]
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64, softcap=True))
     assert type(bwd[1]).__name__ == "BwdSm90Config" and bwd[1].tile_m == 64  # softcap: 64-query blocks
@@ -235,26 +243,26 @@ def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bwd and all(c.target == "sm_90a" and "Sm90" not in type(c).__name__ for c in bwd)
     bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=64, family="sm80"))
     assert all("Sm90" not in type(c).__name__ for c in bwd)
-    # e4m3: the FP8 forward path (quantize kernels + FP8 attention) on sm_90a only.
+    # A non-causal d = 128 backward also names the long-sequence tile the launcher may take.
+    bwd = ins.configs_for(ins.Variant(arch="sm_90a", kernel="bwd", hdim=128))
+    assert sorted(c.tile_m for c in bwd if type(c).__name__ == "BwdSm90Config") == [64, 80]
+    # e4m3: the FP8 forward path (quantize kernels + FP8 attention) on sm_90a only, every kernel
+    # built for the variant's arch.
     for family in ("", "sm90"):
         fp8 = ins.configs_for(ins.Variant(arch="sm_90a", dtype="e4m3", family=family))
-        assert [type(c).__name__ for c in fp8][-1] == "FwdSm90Fp8Config"
-    for kw in (dict(family="sm80"), dict(kernel="bwd"), dict(arch="sm_80")):
+        assert [type(c).__name__ for c in fp8] == ["QuantizeConfig"] * 4 + ["FwdSm90Fp8Config"]
+        assert all(c.target == "sm_90a" for c in fp8)
+    for kw in (dict(kernel="bwd"), dict(arch="sm_80")):
         with pytest.raises(ValueError, match="e4m3"):
             ins.configs_for(ins.Variant(**{"arch": "sm_90a", "dtype": "e4m3", **kw}))
-    with pytest.raises(ValueError, match="no kernel family"):
+    with pytest.raises(ValueError, match="kernel must be fwd or bwd"):
         ins.configs_for(ins.Variant(arch="sm_90a", kernel="nope"))
     # Head dims the sm90 forward lacks fall back to sm80, as the launcher's auto mode does.
-    monkeypatch.setattr("cute_flash.fwd_sm90.SM90_FWD_TILES", {128: (128, 128, 2, 2, False, True)})
+    from cute_flash.hopper import fwd_config
+
+    monkeypatch.setattr(fwd_config, "SM90_FWD_TILES", {128: fwd_config.SM90_FWD_TILES[128]})
     (cfg,) = ins.configs_for(v)
     assert type(cfg) is FwdConfig
-    monkeypatch.undo()
-    old = ins._FAMILIES[("sm_90a", "fwd", "")]
-    try:  # a family plugs in by replacing the factory
-        ins.register_family("sm_90a", "fwd", lambda var: ["hopper", var.hdim])
-        assert ins.configs_for(v) == ["hopper", 64]
-    finally:
-        ins.register_family("sm_90a", "fwd", old)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +338,10 @@ def test_cli_subprocess_sm90a_is_the_hopper_forward() -> None:
     kernel, and the report shows its Hopper machinery: wgmma, TMA, mbarrier waits, register
     reallocation both ways, named barriers (the epilogue's id 1), no local memory; SASS HGMMA and
     UTMALDG."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = ["inspect", "--arch", "sm_90a", "--kernel", "fwd", "--dtype", "bf16", "--hdim", "128", "--json"]
     proc = subprocess.run([sys.executable, "-m", "cute_flash", *cmd],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+                          capture_output=True, text=True, env=env, cwd=PACKAGE_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(proc.stdout)  # exactly one JSON object on stdout
     assert (rep["arch"], rep["kernel"], rep["hdim"], rep["family"]) == ("sm_90a", "fwd", 128, "")
