@@ -2,7 +2,7 @@
 
 ``TensorSSA.to(BFloat16)`` only becomes ``cvt.rn.bf16x2.f32`` when LLVM manages to pair the
 elements; for S tiles whose width is not a multiple of 32 (tile_n = 80, 96, 144) half of them come
-out as scalar ``cvt.rn.bf16.f32`` (measured in the d=256 PTX: 40 scalar for 64 paired). The P
+out as scalar ``cvt.rn.bf16.f32`` (the d=256 PTX has 40 scalar for 64 paired). The P
 conversion sits on the critical path between the softmax and the P V wgmma, so pair explicitly.
 """
 
