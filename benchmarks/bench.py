@@ -2,15 +2,12 @@
 
     python benchmarks/bench.py [--quick] [--hdim 64 128] [--seqlen 1024 4096] [--causal 0 1]
                                [--dir fwd bwd] [--providers ours sdpa-flash ...] [--out DIR]
-    python benchmarks/bench.py --ablation [--out DIR]
 
 Providers: ``ours`` is the public API as it runs on this GPU (on Hopper: the sm90 FA3 forward);
 ``ours-det`` (not in the default set) is ours with ``deterministic=True`` (bwd: ordered dQ adds);
 ``fa4-det`` the same for flash-attn-4 (its table column ``ours-det/fa4-det`` compares the two).
 ``ours-sm80`` (not in the default set) forces our sm80 FA2 forward with ``CUTE_FLASH_FWD_KERNEL=sm80``
 around each forward call, for comparison on Hopper; its backward is our usual (sm80) backward.
-``--ablation`` times only the sm90 forward at d=128, N=8192 with ping-pong and intra-warpgroup
-overlap switched on and off (configs built directly), causal and not, and prints its own table.
 
 Grid (default): tokens B*N = 16384, hidden H*d = 2048, N in {512 .. 16k}, d in {64, 128, 256}, causal and
 not, fwd and bwd; bf16, (B, N, H, d) layout (SDPA gets transposed views, no copies).
@@ -408,111 +405,6 @@ def plot(results: list[dict[str, Any]], providers: list[str], path: Path, title:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# --ablation: the sm90 forward's scheduling switches
-# ---------------------------------------------------------------------------------------------
-ABLATION_HDIM, ABLATION_SEQLEN = 128, 8192
-ABLATION_SWITCHES = ((True, True), (True, False), (False, True), (False, False))  # (pingpong, overlap)
-
-
-def ablation_table(recs: list[dict[str, Any]]) -> str:
-    head = ["causal", "pingpong", "overlap", "ms", "TFLOP/s", "vs default", "ΔL2 vs SDPA-flash"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in recs:
-        base = next((x for x in recs if x["causal"] == r["causal"] and x["default"]), None)
-        ratio = (f"{r['tflops'] / base['tflops']:.2f}" if r.get("tflops") and base and base.get("tflops")
-                 else "")
-        dl2 = r.get("rel_l2_vs_sdpa")
-        check = r.get("error", "") if dl2 is None else f"{dl2:.1e}" + ("" if dl2 <= SANITY_REL_L2 else " (!)")
-        cells = [str(int(r["causal"])), str(int(r["pingpong"])), str(int(r["overlap"])),
-                 f"{r['ms']:.3f}" if r.get("ms") else "", f"{r['tflops']:.0f}" if r.get("tflops") else "",
-                 ratio + (" (default)" if r["default"] else ""), check]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ablation_causal(args: argparse.Namespace, dtype: torch.dtype, causal: bool) -> list[dict[str, Any]]:
-    """The four (pingpong, overlap) variants on one problem, fresh inputs, one SDPA-flash reference."""
-    from cute_flash import jit
-    from cute_flash.hopper.fwd_config import FwdSm90Config
-    from cute_flash.launch import normalize_window
-
-    d, n = ABLATION_HDIM, ABLATION_SEQLEN
-    # What the public API runs for this mask (masked variants have their own table entry).
-    base = FwdSm90Config(target=None, dtype=args.dtype, hdim=d, hdim_v=d, causal=causal)
-    default = (base.pingpong, base.intra_wg_overlap)
-    h, b = args.hidden // d, max(args.tokens // n, 1)
-    q, k, v, _ = make_inputs(b, n, h, d, dtype, seed=hash((d, n, causal)) & 0xFFFF)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, n, dtype=torch.float32, device="cuda")
-    _, _, left, right = normalize_window(causal, (-1, -1))  # what run_fwd passes for this mask
-    try:
-        ref, ref_err = _sdpa("FLASH_ATTENTION")(q, k, v, causal), ""
-    except Exception as e:  # no reference: the table says so instead of a ΔL2
-        ref, ref_err = None, _short(e)
-    recs = []
-    timed_calls: list[tuple[dict[str, Any], Callable[[], Any], float]] = []
-    for pingpong, overlap in ABLATION_SWITCHES:
-        rec: dict[str, Any] = {"hdim": d, "seqlen": n, "batch": b, "heads": h, "causal": causal,
-                               "pingpong": pingpong, "overlap": overlap,
-                               "default": (pingpong, overlap) == default}
-        try:
-            cfg = FwdSm90Config(target=None, dtype=args.dtype, hdim=d, hdim_v=d, causal=causal,
-                                pingpong=pingpong, intra_wg_overlap=overlap)
-            if (cfg.pingpong, cfg.intra_wg_overlap) != (pingpong, overlap):  # never time the wrong kernel
-                raise ValueError(f"FwdSm90Config made (pingpong, overlap) = ({pingpong}, {overlap}) into "
-                                 f"({cfg.pingpong}, {cfg.intra_wg_overlap})")
-            fn = jit.compile_kernel(cfg)
-            call = (lambda fn=fn, cfg=cfg: fn(q, k, v, out, lse, None, None, d ** -0.5, 0.0, left, right, n,
-                                              *cfg.launch_args(q.device)))
-            out.fill_(float("nan"))  # a variant that skips rows must not inherit the previous output
-            call()
-            torch.cuda.synchronize()
-            if ref is not None:
-                rec["rel_l2_vs_sdpa"] = rel_l2(out, ref)
-            else:
-                rec["error"] = f"no SDPA-flash reference: {ref_err}"
-            timed_calls.append((rec, call, fwd_flops(b, h, n, d, causal)))
-        except Exception as e:
-            rec["error"] = _short(e)
-            if args.verbose:
-                traceback.print_exc()
-        recs.append(rec)
-    time_rotated(timed_calls, args)
-    for rec in recs:
-        result = f"{rec['tflops']:.0f} TFLOP/s" if rec.get("tflops") else rec.get("error", "")
-        print(f"causal={int(causal)} pingpong={int(rec['pingpong'])} overlap={int(rec['overlap'])}: {result}",
-              flush=True)
-    return recs
-
-
-def run_ablation(args: argparse.Namespace, dtype: torch.dtype, device_name: str) -> int:
-    """Time the sm90 forward at d=128, N=8192 (B*N = --tokens, H*d = --hidden) for each (pingpong,
-    intra_wg_overlap), for --causal, through configs built directly (the public API always takes
-    the per-head-dim defaults). Each output is compared with SDPA-flash's, so a broken variant
-    cannot pass for a fast one. Non-zero exit if a variant failed or disagreed."""
-    major, minor = torch.cuda.get_device_capability()
-    if major != 9:
-        print(f"--ablation times the sm90 forward, which needs a Hopper GPU (this one is {major}.{minor})",
-              file=sys.stderr)
-        return 2
-    recs: list[dict[str, Any]] = []
-    for causal in args.causal:
-        recs += _ablation_causal(args, dtype, causal)
-        torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "ablation.json", "w") as f:
-            json.dump({"device": device_name, "dtype": args.dtype, "results": recs}, f, indent=1)
-    r0 = recs[0] if recs else {"batch": "-", "heads": "-"}
-    print(f"\nTFLOP/s, {device_name}, sm90 forward ablation, {args.dtype}, d={ABLATION_HDIM}, "
-          f"N={ABLATION_SEQLEN}, B={r0['batch']}, H={r0['heads']}; vs default = speed ratio to the variant "
-          "the public API runs for that mask\n")
-    print(ablation_table(recs))
-    bad = [r for r in recs if r.get("error") or not r.get("rel_l2_vs_sdpa", 0.0) <= SANITY_REL_L2]
-    return 1 if bad else 0
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hdim", type=int, nargs="+", default=None, help=f"default {HDIMS}")
@@ -521,8 +413,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", nargs="+", choices=("fwd", "bwd"), default=None, help="default fwd bwd")
     p.add_argument("--providers", nargs="+", choices=ALL_PROVIDERS, default=list(PROVIDERS),
                    help=f"default {' '.join(PROVIDERS)}; ours-sm80: our sm80 forward forced (Hopper)")
-    p.add_argument("--ablation", action="store_true",
-                   help="only the sm90 forward's ping-pong / intra-warpgroup-overlap ablation (Hopper)")
     p.add_argument("--quick", action="store_true", help="d=128, N in {1k, 4k} (defaults only)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--tokens", type=int, default=16384, help="B*N")
@@ -566,8 +456,6 @@ def main(argv: list[str] | None = None) -> int:
             "peak_mib": "extra over inputs, one call (bwd: fwd+bwd)"}
     print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
           f"CUDA {torch.version.cuda}; {timer}", flush=True)
-    if args.ablation:
-        return run_ablation(args, dtype, props.name)
 
     # Providers: ours first, and compiled before flash-attn-4 is imported (importing flash_attn.cute
     # patches cute.compile process-wide; keep our compile times and code free of that).

@@ -19,8 +19,8 @@ import triton.testing
 
 from cute_flash.launch import quantize_qkv, run_fwd, run_fwd_fp8
 
-BOOL_FIELDS = ("pingpong", "intra_wg_overlap", "rescale_o_early", "seed_row_sum", "spin_waits", "v_perm",
-               "sum_mma", "lazy_rescale", "dynamic_tiles", "exp_bytes")
+BOOL_FIELDS = ("pingpong", "rescale_o_early", "seed_row_sum", "spin_waits", "v_perm", "sum_mma",
+               "dynamic_tiles", "exp_bytes")
 
 
 def parse(var: str) -> dict:

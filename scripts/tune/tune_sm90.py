@@ -12,10 +12,10 @@ import torch
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cute_flash import jit
+from cute_flash import jit, launch
 from cute_flash.hopper.fwd_config import FwdSm90Config
 
-SWITCHES = [(False, False), (True, False), (False, True), (True, True)]
+SWITCHES = [False, True]  # ping-pong off / on
 
 
 def sdpa(backend, q, k, v, causal):
@@ -74,21 +74,20 @@ def main() -> None:
                     cands.append(("fa4", lambda c=causal, t=qkv: fa4(*t, causal=c)))
                 tiles = [None] + extra.get(d, [])
                 for tile in tiles:
-                    # Every switch combination for the default tile; extra tiles with overlap on.
-                    switches = SWITCHES if args.switches == "all" and tile is None else SWITCHES[2:]
+                    # Ping-pong on and off for the default tile, the table's choice for extra tiles.
+                    switches = SWITCHES if args.switches == "all" and tile is None else [None]
                     if args.switches == "default":  # the shipped table's choice for this head dim
-                        switches = [(None, None)]
-                    for (pp, ov), l2, fields in ((sw, l2, f) for sw in switches for l2 in args.l2
-                                                 for f in field_sets):
+                        switches = [None]
+                    for pp, l2, fields in ((sw, l2, f) for sw in switches for l2 in args.l2
+                                           for f in field_sets):
                         kw = dict(tile_m=tile[0], tile_n=tile[1], stages=tile[2]) if tile else {}
                         if l2 >= 0:
                             kw["l2_sections"] = bool(l2)
                         kw.update(fields)
-                        tag = (f"tile={tile or 'default'} pp={pp} ov={ov} l2={l2} "
+                        tag = (f"tile={tile or 'default'} pp={pp} l2={l2} "
                                f"{' '.join(f'{k}={int(v)}' for k, v in fields.items())}")
                         try:
                             kw.setdefault("pingpong", pp)
-                            kw.setdefault("intra_wg_overlap", ov)
                             cfg = FwdSm90Config(target=None, dtype="bf16", hdim=d, hdim_v=d, causal=causal,
                                                 **kw)
                             kern = jit.compile_kernel(cfg)
@@ -98,14 +97,14 @@ def main() -> None:
                         out = torch.full_like(q, float("nan"))
                         lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
                         call = (q, k, v, out, lse, None, None, 1.0 / math.sqrt(d), 0.0, -1, -1, n)
-                        kern(*call, *cfg.launch_args(q.device))
+                        kern(*call, launch.tile_counter(cfg, q.device))
                         torch.cuda.synchronize()
                         err = float((out.float() - ref).norm() / ref.norm())
                         if not err < 2e-2:
                             print(f"  {tag}: WRONG rel-L2 {err:.3g}", flush=True)
                             continue
                         cands.append((tag, lambda kern=kern, call=call, cfg=cfg, dev=q.device:
-                                      kern(*call, *cfg.launch_args(dev))))
+                                      kern(*call, launch.tile_counter(cfg, dev))))
                 # Clocks drift by a few percent within a run (power and heat): time every
                 # candidate in ``rounds`` interleaved passes, rotating the order so no candidate
                 # always runs first or last, and report each one's best and every pass.
