@@ -140,22 +140,13 @@ def frag_chunk_view(chunk: cute.Tensor, tidx: Int32, num_threads: int, group: in
     ``group`` of threads (a warpgroup): thread t = g * group + u keeps element i at
     g * n * group + (i // 4) * 4 * group + u * 4 + i % 4 (n elements per thread), returned as a
     (4, n / 4) view whose flat index is i. Consecutive threads own consecutive 16-byte words, so a
-    warp's vector stores / reductions cover whole 128-byte lines and hit every smem bank once; each
+    warp's 16-byte stores and loads cover whole 128-byte lines and hit every smem bank once; each
     warpgroup's part is one contiguous range (one bulk reduce-add per warpgroup, handed over
     without waiting for the other warpgroup) and so is the whole chunk."""
     n = cute.size(chunk) // num_threads
     whole = cute.make_tensor(chunk.iterator, cute.make_layout(
         ((4, (group, num_threads // group)), n // 4), stride=((1, (4, n * group)), 4 * group)))
     return whole[(None, tidx), None]
-
-
-@cute.jit
-def red_add_frag(dst: cute.Tensor, acc: cute.Tensor):
-    """``red.global.add.v4.f32`` of a register fragment into its fragment-order view ``dst``
-    (``frag_chunk_view``): one L2 reduction per 4 values instead of 4."""
-    for j in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-        four = cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4))
-        cute.arch.red(dst[None, j].iterator, four.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
 
 
 def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, nbytes: int) -> None:

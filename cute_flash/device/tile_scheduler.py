@@ -106,8 +106,8 @@ def section_order(idx, num_m, num_head, num_hb, group):
 def balanced_section_order(idx, num_m, num_head, num_hb, max_group):
     """``section_order`` with the (batch, head) pairs split into ceil(num_hb / max_group) sections
     whose sizes differ by at most one, instead of full sections and a short last one: in a causal
-    backward the last section's longest tiles start last, so a 1-head remainder (16 heads in
-    sections of 5, 10 in sections of 3) left its key block 0 running alone at the grid's end.
+    backward the last section's longest tiles start last, so a short last section (1 head of 16
+    in sections of 5) leaves its key block 0 running alone at the grid's end.
     Branch-free integer arithmetic (min / max), for the kernel's Int32 and the CPU tests' int."""
     sections = (num_hb + max_group - 1) // max_group
     base = num_hb // sections  # >= 1
@@ -127,8 +127,8 @@ def balanced_section_order(idx, num_m, num_head, num_hb, max_group):
 
 # ----------------------------------------------------------------------------------------------
 # The same walks from numbers set up once per launch. A CTA otherwise spends four or five signed
-# integer divisions (~25 SASS instructions each, an I2F -> MUFU.RCP -> F2I chain through R2UR
-# round trips: ~900 cycles at d = 64) on its tile before the producer's first TMA. Every divisor
+# integer divisions (each an I2F -> MUFU.RCP -> F2I chain through R2UR round trips) on its tile
+# before the producer's first TMA. Every divisor
 # below depends only on the launch's shapes, so the launcher wraps them as the DSL's FastDivmod
 # (a multiply-high and a shift in the kernel; ``divisor=cute.fast_divmod_create_divisor_v2`` in
 # host code -- created inside a kernel, the set-up itself is a loop and a 64-bit division call).

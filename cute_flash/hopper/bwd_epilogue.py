@@ -1,12 +1,8 @@
 """The dK / dV epilogue of the sm90 backward main kernels (a mixin of ``bwd.FlashBwdSm90``): the
 accumulators leave the consumer warpgroups once per K/V block, scaled (dK) and converted to 16 bit.
 
-Three ways, by config: through K's and V's smem buffers with 2-byte stores (the default) or
-stmatrix (``dkv_stmatrix``), or (``dkv_via_ds``) stmatrix into the dS buffers, so that K and V
-may be released before it -- what the persistent grid needs to load the next tile's K / V under
-the epilogue. Each then stores whole rows, 16 bytes per thread. (Measured and dropped: 4-byte
-stores straight from the accumulators, no smem at all -- 2-6% slower at d = 64, each warp store
-touching 8 rows.)
+Both go through K's and V's smem buffers (free by then), with 2-byte stores or stmatrix
+(``dkv_stmatrix``), and leave as whole rows, 16 bytes per thread.
 """
 
 import cutlass
@@ -21,53 +17,39 @@ from cute_flash.device.layout import transpose_smem
 
 class BwdEpilogue:
     """Needs ``self.epilogue_barrier`` (a named barrier over the consumer threads), ``mma_dkv``,
-    ``sdS_layout``, ``dtype``, ``tile_n``, ``hdim``, ``hdim_v``, ``num_mma_threads`` and ``cfg``."""
+    ``dtype``, ``tile_n``, ``hdim``, ``hdim_v``, ``num_mma_threads`` and ``cfg``."""
 
     @cute.jit
     def epilogue(self, ctx, mdK, mdV, softmax_scale):
         """dK (scaled by softmax_scale: S was scaled) and dV, 16 bit -> smem (K's and V's buffers,
-        free now, or the dS buffers) -> 16-byte row stores of the rows of this K/V block that exist."""
-        if cutlass.const_expr(self.cfg.dkv_via_ds):
-            # sK / sV are not touched, so the persistent grid hands K and V back before this and
-            # the next tile's loads run under it.
-            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sdK_stage, ctx.smem.sdV_stage,
-                                  together=self.dkv_stage_offsets()[1] > 0)
-        elif cutlass.const_expr(self.cfg.dkv_stmatrix):
-            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, together=True)
+        free now) -> 16-byte row stores of the rows of this K/V block that exist."""
+        if cutlass.const_expr(self.cfg.dkv_stmatrix):
+            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV)
         else:
             coords = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim)))
             self.store_dkv(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, coords, coords,
                            transposed=False)
 
     @cute.jit
-    def store_dkv_staged(self, ctx, mdK, mdV, softmax_scale, sK, sV, together: cutlass.Constexpr[bool],
+    def store_dkv_staged(self, ctx, mdK, mdV, softmax_scale, sK, sV,
                          transposed: cutlass.Constexpr[bool] = False):
-        """``dkv_stmatrix`` / ``dkv_via_ds``: dK / dV leave their accumulators through stmatrix (8x8
-        tiles, as the forward's O) instead of one 2-byte store per element (128 per thread at
-        d = 128) into sK / sV, then the 16-byte row stores; both tiles at once, or (``together``
-        False: one staging buffer) dK, then dV. ``transposed``: the accumulators hold dK^T / dV^T
-        (the wide kernel's head dim on M), so each 8x8 tile is transposed on its way to the
-        (key, head dim) rows."""
+        """``dkv_stmatrix``: dK / dV leave their accumulators through stmatrix (8x8 tiles, as the
+        forward's O) instead of one 2-byte store per element into sK / sV, then the 16-byte row
+        stores. ``transposed``: the accumulators hold dK^T / dV^T (the wide kernel's head dim on M),
+        so each 8x8 tile is transposed on its way to the (key, head dim) rows."""
         bar, nthr = self.epilogue_barrier, self.num_mma_threads
-        # Every consumer warpgroup is done with the staging buffers (its last GEMMs were waited for).
+        # Every consumer warpgroup is done with K and V (its last GEMMs were waited for).
         cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
         store_op = sm90_utils.get_smem_store_op(LayoutEnum.COL_MAJOR if transposed else LayoutEnum.ROW_MAJOR,
                                                 self.dtype, Float32)
         r2s = cute.make_tiled_copy_C(store_op, self.mma_dkv).get_slice(ctx.tidx)
-        parts = ((mdK, ctx.acc_dK, softmax_scale, self.hdim, sK),
-                 (mdV, ctx.acc_dV, Float32(1.0), self.hdim_v, sV))
-        rounds = (parts,) if together else ((parts[0],), (parts[1],))
-        for i, rnd in enumerate(rounds):
-            for _, acc, scale, _, sT in rnd:
-                r = cute.make_rmem_tensor_like(acc, self.dtype)
-                for j in cutlass.range_constexpr(cute.size(acc)):
-                    r[j] = (acc[j] * scale).to(self.dtype)
-                cute.copy(r2s, r2s.retile(r), r2s.partition_D(transpose_smem(sT) if transposed else sT))
-            cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
-            self.store_dkv_rows(ctx, tuple((mT, sT, width) for mT, _, _, width, sT in rnd))
-            if cutlass.const_expr(i + 1 < len(rounds) or (self.cfg.persistent and self.cfg.dkv_via_ds)):
-                # Every row is read before the next round (or the next tile's dS) overwrites it.
-                cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+        for acc, scale, sT in ((ctx.acc_dK, softmax_scale, sK), (ctx.acc_dV, Float32(1.0), sV)):
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            for j in cutlass.range_constexpr(cute.size(acc)):
+                r[j] = (acc[j] * scale).to(self.dtype)
+            cute.copy(r2s, r2s.retile(r), r2s.partition_D(transpose_smem(sT) if transposed else sT))
+        cute.arch.barrier(barrier_id=bar, number_of_threads=nthr)
+        self.store_dkv_rows(ctx, ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)))
 
     @cute.jit
     def store_dkv(self, ctx, mdK, mdV, softmax_scale, sK, sV, coords_k, coords_v,
@@ -97,12 +79,3 @@ class BwdEpilogue:
             gT = cute.local_tile(ctx.seqlen.k_rows(mT, ctx.head_kv, ctx.batch), (self.tile_n, width),
                                  (ctx.n_block, 0))
             warp_mma.store_rows(copy, copy.get_slice(ctx.tidx), sT, gT, self.tile_n, width, rows_left)
-
-    def dkv_stage_offsets(self) -> tuple:
-        """``dkv_via_ds``: element offsets of the dK and dV staging tiles in the dS buffers -- side
-        by side where both fit (d = 64: 2 x 16 KiB in 64 KiB), else both at 0, one after the
-        other (d = 96 / 128: one tile fills the 32 KiB)."""
-        tile_k, tile_v = self.tile_n * self.hdim, self.tile_n * self.hdim_v
-        if tile_k + tile_v <= cute.cosize(self.sdS_layout):
-            return 0, tile_k
-        return 0, 0

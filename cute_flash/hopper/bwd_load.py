@@ -1,7 +1,6 @@
 """The sm90 backward's producer side (a mixin of ``bwd.FlashBwdSm90``): the TMA loads of K / V
-and of each query block's Q, dO, LSE2 and D, the tile order of the one-CTA-per-tile grid
-(``longest_first``), and the persistent grid's tile walk (``persistent``), whose roles carry their
-pipeline states from tile to tile.
+and of each query block's Q, dO, LSE2 and D, the wait for the preprocess, and the grid's
+longest-first tile order (``longest_first``).
 """
 
 import cutlass
@@ -12,88 +11,13 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.device import scratch, waits
 from cute_flash.device.seqlen import SeqlenInfo
-from cute_flash.device.tile_scheduler import (
-    balanced_section_order,
-    planned_section_order,
-    section_order,
-    section_size,
-)
+from cute_flash.device.tile_scheduler import planned_section_order
 
 
 class BwdProducer:
-    """Needs the kernel's tile sizes, pipelines and ``make_work`` / ``consumer_tile`` /
-    ``dq_writer`` (``bwd.FlashBwdSm90``)."""
+    """Needs the kernel's tile sizes, pipelines, ``spin_waits``, ``separate_do`` and its walk
+    (``num_work_items``, ``work_item``, ``query_block``; ``bwd.FlashBwdSm90``)."""
 
-    # ------------------------------------------------------------------------------------------
-    # Persistent grid
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def persistent_roles(self, args, loads, mdQaccum, mdK, mdV, smem, pipes, scales, warp_idx):
-        """``persistent``: every role walks this CTA's tiles (tile t = blockIdx.x + i * gridDim.x of
-        ``tile_of``'s order) with its pipeline states carried from tile to tile, so the producer
-        runs ahead into the next tile while the consumers finish the last one."""
-        bidx, _, _ = cute.arch.block_idx()
-        num_tiles = self.num_kv_tiles(args)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(24)
-            if warp_idx == 0:
-                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-                for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
-                    kv_state, state = self.load_tile(args, loads, smem, pipes, tile, kv_state, state)
-            if cutlass.const_expr(self.dq_warp):
-                if warp_idx == 1:
-                    self.wait_for_preprocess()
-                    for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
-                        self.dq_writer_tile(args, mdQaccum, smem, tile)
-        else:
-            cute.arch.setmaxregister_increase(240)
-            self.wait_for_preprocess()
-            ctx = self.consumer_setup(loads.mLSE2, loads.mD, mdQaccum, smem, scales, args)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            for tile in cutlass.range(bidx, num_tiles, self.cfg.num_ctas, unroll=1):
-                kv_state, state = self.consumer_persistent_tile(args, ctx, mdK, mdV, pipes, scales, tile,
-                                                                kv_state, state)
-
-    def num_kv_tiles(self, args):
-        mK = args.mK
-        return cute.ceil_div(mK.shape[0], self.tile_n) * mK.shape[2] * mK.shape[3]
-
-    @cute.jit
-    def tile_of(self, args, tile: Int32):
-        """(n_block, head_kv, batch) of linear tile ``tile``: sections of K/V heads whose queries'
-        Q, dO and dQ accumulator fit in L2 together, within a section every head's first key block,
-        then every head's second, ... (causal: longest first, as ``longest_first``)."""
-        mQ, mK = args.mQ, args.mK
-        num_n = cute.ceil_div(mK.shape[0], self.tile_n)
-        num_head = mK.shape[2]
-        num_hb = num_head * mK.shape[3]
-        rows = mQ.shape[0] * (mQ.shape[2] // mK.shape[2])
-        group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_hb)
-        return section_order(tile, num_n, num_head, num_hb, group)
-
-    @cute.jit
-    def load_tile(self, args, loads, smem, pipes, tile: Int32, kv_state, state):
-        n_block, head_kv, batch = self.tile_of(args, tile)
-        seqlen, work = self.make_work(args, n_block, head_kv, batch)
-        return self.load_split(loads, smem, pipes, seqlen, work, kv_state, state)
-
-    @cute.jit
-    def dq_writer_tile(self, args, mdQaccum, smem, tile: Int32):
-        n_block, head_kv, batch = self.tile_of(args, tile)
-        seqlen, work = self.make_work(args, n_block, head_kv, batch)
-        self.dq_writer(mdQaccum, smem, seqlen, work)
-
-    @cute.jit
-    def consumer_persistent_tile(self, args, ctx, mdK, mdV, pipes, scales, tile: Int32, kv_state, state):
-        n_block, head_kv, batch = self.tile_of(args, tile)
-        seqlen, work = self.make_work(args, n_block, head_kv, batch)
-        return self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state)
-
-    # ------------------------------------------------------------------------------------------
-    # Producer warp
-    # ------------------------------------------------------------------------------------------
     def kv_tma_tiles(self, mK, mV, tma_K, tma_V, smem, seqlen: SeqlenInfo, work) -> tuple:
         """(sK, gK, sV, gV) TMA partitions of this CTA's K / V block."""
         one = cute.make_layout(1)
@@ -137,8 +61,7 @@ class BwdProducer:
     def load_split(self, loads, smem, pipes, seqlen: SeqlenInfo, work, kv_state, state, do_state=None):
         """``split_loads``: K, then per (query head, query block) in the consumers' order Q + LSE2
         and dO + D on their own barriers; the first block issues K, Q, V, dO in the order the
-        GEMMs read them, and only its statistics wait for the preprocess (PDL). Returns the
-        pipeline states after this tile (the persistent grid carries them on)."""
+        GEMMs read them, and only its statistics wait for the preprocess."""
         L = loads
         tKsK, tKgK, tVsV, tVgV = self.kv_tma_tiles(L.mK, L.mV, L.tma_K, L.tma_V, smem, seqlen, work)
         waits.acquire_empty(pipes.kv, kv_state, self.spin_waits)
@@ -155,15 +78,6 @@ class BwdProducer:
             for it in cutlass.range(total, unroll=1):
                 state = self.load_block(L.mQ, L.mdO, L.mLSE2, L.mD, L.tma_Q, L.tma_V, L.tma_dO, tVgV, tVsV,
                                         smem, pipes, seqlen, work, it, state, kv_state)
-        if cutlass.const_expr(self.cfg.persistent):
-            # A tile no query block sees still fills V's stage, so that every tile moves the K/V
-            # pipeline by one phase on both sides.
-            pipe_kv, tma_V = pipes.kv, L.tma_V  # (plain names: a ``Ctx`` cannot cross a run-time ``if``)
-            if total == 0:
-                waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
-                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        kv_state.advance()
-        return kv_state, state
 
     @cute.jit
     def load_block(self, mQ, mdO, mLSE2, mD, tma_Q, tma_V, tma_dO, tVgV, tVsV, smem, pipes,
@@ -203,30 +117,24 @@ class BwdProducer:
         return state
 
     def wait_for_preprocess(self) -> None:
-        """With ``pdl`` (this kernel may start before the preprocess ends): wait for it to finish
-        and its writes (LSE2, D, the zeroed dQ accumulator, semaphores) to be visible."""
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
+        """This kernel is launched as the preprocess's dependent (programmatic dependent launch:
+        its launch, barrier set-up and K / V loads overlap the preprocess's tail): wait for the
+        preprocess to finish and its writes (LSE2, D, the zeroed dQ accumulator, semaphores) to be
+        visible."""
+        cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def longest_first(self, x: Int32, y: Int32, walk: tuple, args) -> tuple:
+    def longest_first(self, x: Int32, y: Int32, walk: tuple) -> tuple:
         """(n_block, head_kv) of the CTA with grid coordinates (x, y) under ``lpt``: CTAs start in
         blockIdx order, so walk the K/V heads in groups whose Q, dO and dQ accumulator fit in L2
         together, and within a group all heads' first key blocks, then their second ones, and so
         on. In causal attention key block n sees the most query blocks at n = 0, so the longest
-        CTAs start first and the last wave is the shortest (with blocks ordered per head, the last
-        head's longest CTA started near the end and ran alone). ``walk``: the launcher's
+        CTAs start first and the last wave is the shortest (ordered per head, the last head's
+        longest CTA would start near the end and run alone). ``walk``: the launcher's
         ``section_walk_plan`` (sections of even size with ``lpt_balanced``, the launcher's choice
         where full sections would leave a short last one)."""
-        num_n, num_h, _ = cute.arch.grid_dim()
-        lin = x + num_n * y
-        if cutlass.const_expr(not self.cfg.lpt_walk_plan):
-            rows = args.mQ.shape[0] * args.qhead_per_kv
-            group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_h)
-            order = balanced_section_order if cutlass.const_expr(self.cfg.lpt_balanced) else section_order
-            n_block, head, _ = order(lin, num_n, num_h, num_h, group)
-            return n_block, head
-        return planned_section_order(lin, walk, self.cfg.lpt_balanced)
+        num_n, _, _ = cute.arch.grid_dim()
+        return planned_section_order(x + num_n * y, walk, self.cfg.lpt_balanced)
 
     @cute.jit
     def load_head(self, mQ, mdO, mLSE2, mD, tma_Q, tma_dO, smem, pipe_qdo, seqlen: SeqlenInfo, work, head,

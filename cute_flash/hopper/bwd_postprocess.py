@@ -2,8 +2,8 @@
 
 The main kernel (``hopper/bwd.py``) adds dQ into fp32 accumulator chunks in its dQ MMA's fragment
 order (16-byte vectors per thread, whole 128-byte lines per warp); this kernel reads a chunk back
-through the same MMA partition and writes dQ either through a swizzled smem tile (stmatrix in,
-16-byte row stores out) or straight from the fragment order.
+through the same MMA partition and writes dQ through a swizzled smem tile (stmatrix in, 16-byte
+row stores out).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.layout import transpose_smem
 from cute_flash.device.seqlen import SeqlenInfo
-from cute_flash.hopper.bwd import NUM_MMA_THREADS, dq_acc_shape, dq_swapab, dq_tiled_mma
+from cute_flash.hopper.bwd_dq import NUM_MMA_THREADS, dq_acc_shape, dq_swapab, dq_tiled_mma
 
 
 class FlashBwdPostSm90:
@@ -31,11 +31,6 @@ class FlashBwdPostSm90:
         self.cfg = cfg
         self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
         self.hdim, self.tile_m = cfg.hdim, cfg.tile_m
-        # ``stage_smem``: dQ through a swizzled smem tile (stmatrix in, 16-byte row stores out)
-        # instead of 2-byte stores straight from the fragment order. A dQ^T fragment (the 80-row
-        # tile) goes in by transposing stmatrix: its direct stores would walk dQ by columns, one
-        # 2-byte store per element (75 vs 49 us at d = 128, B.N = 16k).
-        self.stage = cfg.stage_smem
 
     def smem_layout(self):
         # The dQ MMA splits the head dim over the warpgroups: at d = 96 / 192 a 128-byte swizzle
@@ -46,7 +41,7 @@ class FlashBwdPostSm90:
         return cute.tile_to_shape(atom, (self.tile_m, self.hdim), (0, 1))
 
     def smem_bytes(self) -> int:
-        return self.tile_m * self.hdim * self.dtype.width // 8 + 1024 if self.stage else 0
+        return self.tile_m * self.hdim * self.dtype.width // 8 + 1024
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
@@ -81,10 +76,7 @@ class FlashBwdPostSm90:
         acc = cute.make_rmem_tensor(cute.size(view), Float32)
         for j in cutlass.range_constexpr(cute.size(view, mode=[1])):
             cute.autovec_copy(view[None, j], cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)))
-        if cutlass.const_expr(self.stage):
-            self.store_staged(acc, gdQ, rows_left, softmax_scale, tidx)
-        else:
-            self.store_direct(acc, gdQ, rows_left, softmax_scale, tidx)
+        self.store_staged(acc, gdQ, rows_left, softmax_scale, tidx)
 
     @cute.jit
     def store_staged(self, acc, gdQ, rows_left: Int32, softmax_scale: Float32, tidx: Int32):
@@ -115,14 +107,3 @@ class FlashBwdPostSm90:
         assert not chunk or self.tile_m % (NUM_MMA_THREADS * (128 // self.dtype.width) // chunk) == 0
         copy = warp_mma.r2g_tiled_copy(self.dtype, self.hdim, NUM_MMA_THREADS, chunk)
         warp_mma.store_rows(copy, copy.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim, rows_left)
-
-    @cute.jit
-    def store_direct(self, acc, gdQ, rows_left: Int32, softmax_scale: Float32, tidx: Int32):
-        coords = dq_tiled_mma(self.dtype, self.tile_m, self.hdim).get_slice(tidx).partition_C(
-            cute.make_identity_tensor(dq_acc_shape(self.tile_m, self.hdim)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            row, col = coords[i]
-            if cutlass.const_expr(dq_swapab(self.tile_m)):
-                col, row = row, col  # dQ^T: (head dim, query)
-            if row < rows_left:
-                gdQ[row, col] = (acc[i] * softmax_scale).to(self.dtype)

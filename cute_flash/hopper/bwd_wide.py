@@ -1,4 +1,4 @@
-"""FA3-style backward for wide heads (d = 256) on Hopper.
+"""FA3-style backward for wide heads (d = 192, 256) on Hopper.
 
 dK and dV of 64 keys x 256 would need 256 fp32 registers per consumer thread in the swapped form of
 ``bwd.FlashBwdSm90``. Here the head dim sits on wgmma's M instead (FA3's "dKV swapAB"): the CTA owns
@@ -7,9 +7,9 @@ of the head dim (64 registers each per thread), and S, dP keep the queries on M:
 
     S  = Q K^T, dP = dO V^T   (SS; M = 64 queries, the keys split over the warpgroups)
     P  = exp2(S c - LSE2), dS = P (dP - D)      (per query row: 2 LSE2 / D values per thread)
-    P, dS -> smem (both halves are needed by every warpgroup below)
+    P, dS -> smem by stmatrix (both halves are needed by every warpgroup below)
     dV^T += dO^T P            dK^T += Q^T dS     (SS, both operands MN-major views of smem)
-    dQ    = dS K              (SS, head dim split over the warpgroups), into fp32 (writer warp or red.add.v4)
+    dQ    = dS K              (SS, head dim split over the warpgroups), into fp32 by the writer warp
 
 Producer, pipelines, GQA / varlen / window / deterministic handling and the dQ accumulation are
 the narrow kernel's (this class derives from it).
@@ -24,7 +24,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_flash.device import waits, warp_mma
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, transpose_smem
-from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, BAR_P_FULL, FlashBwdSm90, dq_tiled_mma
+from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, BAR_P_FULL, FlashBwdSm90
+from cute_flash.hopper.bwd_dq import dq_tiled_mma
 from cute_flash.hopper.fwd import wg_gemm
 
 
@@ -81,7 +82,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tdKrdSt=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(smem.sdS))),
             tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(smem.sdS)),
             tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(smem.sK))),
-            tSsP=thr_sdp.partition_C(smem.sP), tSsdS=thr_sdp.partition_C(smem.sdS),
             **self.pds_store_ctx(smem, tidx),
             acc_dK=cute.make_rmem_tensor(shape_dk, Float32),
             acc_dV=cute.make_rmem_tensor(shape_dv, Float32),
@@ -112,13 +112,13 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             # flash-attn-4's order: P leaves while dP is still in flight, dV starts while dS is
             # stored, and dQ is handed over while dK runs.
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-            self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
+            self.store_pds(ctx, acc_S, ctx.tRSsP)
             dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, sd])
             warpgroup.wait_group(0)
             self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
             cute.arch.barrier(barrier_id=BAR_P_FULL, number_of_threads=self.num_mma_threads)
-            self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
+            self.store_pds(ctx, acc_dP, ctx.tRSsdS)
             wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
                     wg_wait=-1)
             cute.arch.fence_view_async_shared()
@@ -133,8 +133,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             warpgroup.wait_group(0)
             self.dscores_rows(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, sd], dsum)
             cute.arch.barrier(barrier_id=BAR_DS_EMPTY, number_of_threads=self.num_mma_threads)
-            self.store_pds(ctx, acc_S, ctx.tSsP, getattr(ctx, "tRSsP", None))
-            self.store_pds(ctx, acc_dP, ctx.tSsdS, getattr(ctx, "tRSsdS", None))
+            self.store_pds(ctx, acc_S, ctx.tRSsP)
+            self.store_pds(ctx, acc_dP, ctx.tRSsdS)
             cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
             cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
             wg_gemm(self.mma_dkv, ctx.acc_dV, ctx.tdVrdOt[None, None, None, sd], ctx.tdVrPt, zero_init=False,
@@ -148,23 +148,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 pipes.do.consumer_release(dos)
             self.store_dq(ctx, acc_dQ, head, m_block)
 
-    def store_pds(self, ctx, acc, tSs, tRSs) -> None:
-        """P or dS (an S-shaped accumulator) -> its smem tile, 16 bit: stmatrix (``ds_stmatrix``)
-        or one 2-byte store per element."""
-        if cutlass.const_expr(self.ds_stmatrix):
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            convert_pairs(acc, r)
-            cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), tRSs)
-        else:
-            for i in range(cute.size(acc)):  # (a plain helper: unrolled as it is traced)
-                tSs[i] = acc[i].to(self.dtype)
+    def store_pds(self, ctx, acc, tRSs) -> None:
+        """P or dS (an S-shaped accumulator) -> its smem tile (``pds_store_ctx``'s partition), 16 bit."""
+        r = cute.make_rmem_tensor_like(acc, self.dtype)
+        convert_pairs(acc, r)
+        cute.copy(ctx.st_PdS, ctx.thr_st_PdS.retile(r), tRSs)
 
     def pds_store_ctx(self, smem, tidx) -> dict:
-        """``ds_stmatrix`` in the wide kernel: P and dS leave the S / dP accumulators by stmatrix
-        (8x8 tiles; the keys are the contiguous axis of both smem tiles) instead of one 2-byte
-        store per element."""
-        if cutlass.const_expr(not self.ds_stmatrix):
-            return {}
+        """P and dS leave the S / dP accumulators by stmatrix (8x8 tiles; the keys are the
+        contiguous axis of both smem tiles)."""
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                    self.dtype)
         tiled = cute.make_tiled_copy_C(atom, self.mma_sdp)
@@ -193,8 +185,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         transposing stmatrix (``dkv_stmatrix``) or one 2-byte store per element (144 per thread at
         d = 192)."""
         if cutlass.const_expr(self.cfg.dkv_stmatrix):
-            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, together=True,
-                                  transposed=True)
+            self.store_dkv_staged(ctx, mdK, mdV, softmax_scale, ctx.smem.sK, ctx.smem.sV, transposed=True)
         else:
             coords_k = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim, self.tile_n)))
             coords_v = ctx.thr_dkv.partition_C(cute.make_identity_tensor((self.hdim_v, self.tile_n)))
