@@ -1,13 +1,14 @@
 """Deterministic mode's dQ add order as a protocol, simulated on the CPU: CTAs (one per key block)
 start in launch order on a limited number of SM slots, walk their query blocks, and before each
 add wait until the query block's flag equals their rank, then publish rank + 1 (what the sm90
-backward's writer warp or consumers do, ``hopper/bwd.py``). The rotated order's ranks come from
-the kernel's own ``bwd_math.rotated_add_rank``.
+backward's dQ writer warp does, ``hopper/bwd.py``). The rotated order's ranks come from the
+kernel's own ``device.scratch.rotated_add_rank``.
 
 What is pinned: every query block's adds happen in one fixed order (bitwise-reproducible sums),
 whatever each step takes; the descending order completes with any number of resident CTAs; the
-rotated order completes when a head's key blocks all fit (``bwd_sm90.det_rotate_applies``), and
-can deadlock when they do not -- why the launcher checks it.
+rotated order completes when a head's key blocks all fit
+(``hopper.bwd_config.det_rotate_applies``), and can deadlock when they do not -- why the launcher
+checks it.
 """
 
 from __future__ import annotations
