@@ -4,8 +4,8 @@ tables and the plan of one problem.
 
 The preprocess is the sm80 one (LSE2, D, zeroed dQ accumulator over the same padded scratch rows);
 the main kernel's dQ writer warp adds dQ into the accumulator in the dQ MMA's fragment order and the
-sm90 postprocess converts it. Each table below holds the measured choice; the measurements are in
-docs/tuning.md ("sm90 backward").
+sm90 postprocess converts it. Each table below holds the choice measured fastest on the H200; the
+measurements are in docs/tuning.md ("sm90 backward").
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class BwdSm90Config(jit.KernelConfig):
     varlen: bool = False
     deterministic: bool = False
     # 0 = ``SM90_BWD_TILE_M``; 80 at d = 128 is FA3's non-causal tile (dQ^T computed with the head
-    # dim on M, ``hopper.bwd.dq_swapab``).
+    # dim on M, ``hopper.bwd_dq.dq_swapab``).
     tile_m: int = 0
     tile_n: int = 0
     # Q / dO pipeline depth (0 = 2, or 1 where two stages do not fit: d = 256).

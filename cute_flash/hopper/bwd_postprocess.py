@@ -1,9 +1,9 @@
 """sm90 backward postprocess: dQ = softmax_scale * dQaccum, converted to the input dtype.
 
-The main kernel (``hopper/bwd.py``) adds dQ into fp32 accumulator chunks in its dQ MMA's fragment
-order (16-byte vectors per thread, whole 128-byte lines per warp); this kernel reads a chunk back
-through the same MMA partition and writes dQ through a swizzled smem tile (stmatrix in, 16-byte
-row stores out).
+The main kernels' dQ writer warp (``hopper/bwd_dq.py``) adds dQ into fp32 accumulator chunks in the
+dQ MMA's fragment order (16-byte vectors per thread, whole 128-byte lines per warp); this kernel
+reads a chunk back through the same MMA partition and writes dQ through a swizzled smem tile
+(stmatrix in, 16-byte row stores out).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cute_flash.hopper.bwd_dq import NUM_MMA_THREADS, dq_acc_shape, dq_swapab, d
 class FlashBwdPostSm90:
     """dQ = softmax_scale * dQaccum in the input dtype, from the accumulator chunks the sm90 main
     kernel writes in its dQ MMA's fragment order (one CTA per query block, 256 threads: thread t
-    reads the elements the main kernel's consumer thread t added, 16 bytes at a time)."""
+    reads the elements of the main kernel's consumer thread t, 16 bytes at a time)."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg

@@ -2,8 +2,9 @@
 
 dK and dV of 64 keys x 256 would need 256 fp32 registers per consumer thread in the swapped form of
 ``bwd.FlashBwdSm90``. Here the head dim sits on wgmma's M instead (FA3's "dKV swapAB"): the CTA owns
-``tile_n`` = 64 keys, dK^T and dV^T (256 x 64) are split over the two consumer warpgroups by rows
-of the head dim (64 registers each per thread), and S, dP keep the queries on M:
+``tile_n`` keys (64 at d = 256, 96 at d = 192), dK^T and dV^T are split over the two consumer
+warpgroups by rows of the head dim (d = 256: 64 registers each per thread) or by keys (d = 192),
+and S, dP keep the queries on M:
 
     S  = Q K^T, dP = dO V^T   (SS; M = 64 queries, the keys split over the warpgroups)
     P  = exp2(S c - LSE2), dS = P (dP - D)      (per query row: 2 LSE2 / D values per thread)
