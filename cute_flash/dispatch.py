@@ -63,10 +63,9 @@ def fwd_family(arch: str, hdim: int | None = None, hdim_v: int | None = None) ->
     return "sm90"
 
 
-def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
-    """Whether the sm90 backward runs this problem: by default only what has passed the GPU suite,
-    when forced everything it compiles."""
-    return sm90_bwd.sm90_bwd_covers(hdim, hdim_v, softcap, forced=forced)
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool) -> bool:
+    """Whether the sm90 backward runs this problem."""
+    return sm90_bwd.sm90_bwd_covers(hdim, hdim_v, softcap)
 
 
 def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool) -> str:
@@ -79,7 +78,7 @@ def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool) -> str:
     choice = _choice(BWD_KERNEL_ENV)
     if choice == "sm80":
         return "sm80"
-    if is_hopper(arch) and sm90_bwd_covers(hdim, hdim_v, softcap, forced=choice == "sm90"):
+    if is_hopper(arch) and sm90_bwd_covers(hdim, hdim_v, softcap):
         return "sm90"
     if choice == "sm90":
         raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward needs a Hopper GPU, a head dim in "

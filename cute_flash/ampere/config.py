@@ -132,8 +132,8 @@ class BwdPreConfig(jit.KernelConfig):
     deterministic: bool = False
     # The LSE output has a gradient (``dlse``), folded into D (see ampere/bwd_preprocess.py).
     dlse: bool = False
-    # sm90 only (griddepcontrol): let a main kernel launched with PDL start its prologue while
-    # this one still runs (``BwdSm90Config.pdl``).
+    # sm90 only (griddepcontrol): let the main kernel, launched with PDL, start its prologue while
+    # this one still runs.
     launch_dependents: bool = False
     # Threads per CTA (each loads 16 bytes per copy; rows of threads must tile ``tile_m``).
     threads: int = 128

@@ -63,10 +63,8 @@ SM90_BWD_ROTATE_M = {(256, False)}
 SM90_BWD_PRE_THREADS = 128
 
 
-def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, forced: bool = False) -> bool:
-    """Whether the sm90 backward runs this problem. ``forced`` (``CUTE_FLASH_BWD_KERNEL=sm90``)
-    covers the same problems as ``auto``: every head dim it compiles has passed the GPU suite."""
-    del forced
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool) -> bool:
+    """Whether the sm90 backward runs this problem (every head dim it compiles is GPU-checked)."""
     if hdim not in SM90_BWD_HDIMS or hdim_v not in (hdim, SM90_BWD_NARROW_V.get(hdim)):
         return False
     return not softcap or hdim in SM90_BWD_SOFTCAP_HDIMS

@@ -5,7 +5,7 @@ variant checked against the default one (relative L2), so a broken variant is fl
 timed as right.
 
     python scripts/tune/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
-        [--variant "dq_warp=0" "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
+        [--variant "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
 """
 
 import argparse
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--hdim", nargs="+", default=["128"], help="d, or DxDV (e.g. 192x128)")
     ap.add_argument("--seqlen", type=int, nargs="+", default=[8192])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'dq_warp=0'")
+    ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'mask_always=1'")
     ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
