@@ -51,6 +51,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
+from cute_flash import jit
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_mn, transpose_smem
@@ -81,7 +82,7 @@ def _apply_mask(mask, acc_S, thr_mma, m_block, n_block, causal: cutlass.Constexp
 class FlashBwdSm80:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
         t = cfg.tiles
         self.tiles = t

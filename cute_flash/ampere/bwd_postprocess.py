@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
+from cute_flash import jit
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.seqlen import SeqlenInfo
 
@@ -22,7 +23,7 @@ from .bwd import make_tiled_mmas
 class FlashBwdPostSm80:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim = cfg.hdim
         self.tiles = cfg.tiles
         self.tile_m, self.num_threads = cfg.tiles.tile_m, cfg.tiles.num_threads

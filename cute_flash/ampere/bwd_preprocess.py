@@ -21,6 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cute_flash import jit
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import LOG2_E
@@ -36,7 +37,7 @@ class FlashBwdPreSm80:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.num_threads = cfg.threads
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim, self.hdim_v, self.tile_m = cfg.hdim, cfg.hdim_v, cfg.tile_m
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         # O/dO rows are read with 16-byte loads, 8 (or 4) threads per 64 (32) columns; a row's

@@ -14,6 +14,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
+from cute_flash import jit
 from cute_flash.device import warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_frgA, transpose_smem
@@ -25,7 +26,7 @@ from cute_flash.device.softmax import OnlineSoftmax, score_scales
 class FlashFwdSm80:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
         self.tile_m, self.tile_n, self.num_threads, self.num_stages = cfg.tiles
         self.is_causal, self.is_local = cfg.causal, cfg.local

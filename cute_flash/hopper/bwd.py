@@ -36,6 +36,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_flash import jit
 from cute_flash.device import waits, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
@@ -65,7 +66,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim = cfg.hdim
         # V / dO / dV head dim (= hdim but in the wide kernel's (192, 128)).
         self.hdim_v = cfg.hdim_v

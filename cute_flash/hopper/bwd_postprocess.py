@@ -16,6 +16,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_flash import jit
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.layout import transpose_smem
 from cute_flash.device.seqlen import SeqlenInfo
@@ -29,7 +30,7 @@ class FlashBwdPostSm90:
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         self.hdim, self.tile_m = cfg.hdim, cfg.tile_m
 
     def smem_layout(self):

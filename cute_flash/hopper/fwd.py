@@ -31,6 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from cute_flash import jit
 from cute_flash.device import waits, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
@@ -81,7 +82,7 @@ def wg_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB:
 class FlashFwdSm90:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
+        self.dtype = jit.DTYPES[cfg.dtype]
         # O's element type (Q, K, V are ``dtype``; they differ in the FP8 subclass).
         self.o_dtype = self.dtype
         self.hdim, self.hdim_v = cfg.hdim, cfg.hdim_v
