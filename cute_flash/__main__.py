@@ -2,7 +2,7 @@
 flash-attn-4, or, without one, compile them for sm_80 and sm_90a and print what the compiler made.
 
 ``python -m cute_flash inspect ...``: compile one variant without a GPU and report its PTX/SASS
-(see ``cute_flash/inspect.py``).
+(see ``cute_flash/tools/inspect.py``).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def quantize_qkv_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             cu_seqlens_k: torch.Tensor, *, rotate_qk: bool = True,
                             seed: int = 0) -> tuple[torch.Tensor, ...]:
     """``quantize_qkv_ref`` on packed sequences, one call per sequence s (rows cu[s]:cu[s + 1] of
-    q (T_q, H, d) and of k, v (T_k, H_kv, d)), laid out as ``quant.quantize_qkv_varlen`` returns
+    q (T_q, H, d) and of k, v (T_k, H_kv, d)), laid out as ``launch.quantize_qkv_varlen`` returns
     it: q8 (T_q, H, d), k8 (T_k, H_kv, d) contiguous; v8 (T_k, H_kv, d) over token-contiguous
     (H_kv, d, T_k_pad) storage, natural order, padding zeros; descales (S, H_kv) fp32. An empty
     sequence quantizes as one zero token: amax 0, descale 0 (the kernel's untouched amax)."""

@@ -150,7 +150,7 @@ def section_walk_plan(num_m, num_hb, group, balanced: bool, divisor=int) -> tupl
 
 def planned_section_order(idx, plan: tuple, balanced: bool):
     """(m_block, head) of linear tile ``idx`` under ``section_walk_plan``'s numbers: the same
-    order as ``section_order`` / ``balanced_section_order`` (tests/test_tile_scheduler.py)."""
+    order as ``section_order`` / ``balanced_section_order`` (tests/cpu/test_tile_scheduler.py)."""
     if balanced:
         d_big, d_small, d_base1, d_base, base, extra, num_m = plan
         g_big = cutlass.min(idx // d_big, extra)

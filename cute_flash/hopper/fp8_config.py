@@ -43,11 +43,11 @@ SM90_FP8_FWD_TILES_LOCAL: dict[int, tuple[int, int, int, int, bool]] = {
 
 @dataclass(frozen=True)
 class FwdSm90Fp8Config(FwdSm90Config):
-    """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. No softcap. ``run_fwd_fp8``
+    """``FwdSm90Config`` with e4m3 Q / K / V; ``dtype`` is O's type. No softcap. ``launch.run_fwd_fp8``
     picks packed GQA for short query sequences and the persistent grid (``num_ctas``, per-tile
-    descales) for short key sequences (``fp8_launch_fields``)."""
+    descales) for short key sequences (``fp8_launch_fields``, from ``plan``)."""
 
-    # V storage in the kernel's token order (``fp8_ref.V_PERM16``, as ``quant.quantize_qkv(...,
+    # V storage in the kernel's token order (``formats.V_PERM16``, as ``launch.quantize_qkv(...,
     # v_perm=True)`` writes it): P needs no exchange between lanes. Off: natural token order.
     v_perm: bool = False
     # Row sums of P on the tensor cores: P (the e4m3 A registers of P V) times an 8-column block of
@@ -62,7 +62,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
     # (``device/convert.py``) instead of an exponential on the MUFU: the code round(8 x + 56) of
     # 2^x is read off e4m3's own layout (8 codes per binade), within a binade the chord 1 + j / 8
     # of 2^(j / 8) (at most 6% above it; P V and the row sums see the same codes), flushing below
-    # 2^-7 of the scaled P (``fp8_ref.p_log_bytes``, ``EXP_BYTES_LOG2_SCALE``). Needs ``sum_mma``.
+    # 2^-7 of the scaled P (``reference_fp8.p_log_bytes``, ``EXP_BYTES_LOG2_SCALE``). Needs ``sum_mma``.
     # None: on wherever ``sum_mma`` is (measured faster, docs/tuning.md).
     # ``CUTE_FLASH_FP8_P=exact`` turns it off at run time.
     exp_bytes: bool | None = None
@@ -75,7 +75,7 @@ class FwdSm90Fp8Config(FwdSm90Config):
         if self.softcap:
             raise ValueError("FP8 forward: no softcap")
         if self.varlen and self.v_perm:
-            # The varlen re-layout of V (fp8_ref.v_varlen_aligned) writes the natural order.
+            # The varlen re-layout of V (formats.v_varlen_aligned) writes the natural order.
             raise ValueError("FP8 forward: varlen takes V in its natural token order")
         # Varlen causal at d = 64 (the sequence offsets and both mask bounds stay live) keeps the
         # smaller tile.
@@ -196,11 +196,11 @@ class QuantizeConfig(jit.KernelConfig):
     transpose: bool = False
     phase: str = "quant"
     rows: int = 64
-    # With ``transpose``: tokens stored in the FP8 kernel's order (``fp8_ref.V_PERM16``).
+    # With ``transpose``: tokens stored in the FP8 kernel's order (``formats.V_PERM16``).
     v_perm: bool = False
     # Packed (T, H, d) input with cu_seqlens; scales per (sequence, kv head).
     varlen: bool = False
-    # Varlen V: each sequence written from its own 16-aligned start (``fp8_ref.varlen_v_offsets``,
+    # Varlen V: each sequence written from its own 16-aligned start (``formats.varlen_v_offsets``,
     # the varlen FP8 kernel's V layout) instead of at its cu_seqlens offset.
     v_aligned: bool = False
     # Lanes per row (``hopper.quant``): 32, or 4 / 8 / 16 for Q and K -- a warp then rotates 32 / L

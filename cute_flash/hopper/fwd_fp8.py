@@ -4,18 +4,18 @@ with e4m3 Q, K, V and k32 wgmma for both GEMMs, bf16 O.
 What differs from 16 bit, and why:
 
 * V^T is the P V wgmma's B operand, and fp8 wgmma takes K-major operands only: V must arrive with
-  the keys contiguous. ``quant.quantize_qkv`` writes it that way ((B, H_kv, d, N_pad) storage
+  the keys contiguous. ``launch.quantize_qkv`` writes it that way ((B, H_kv, d, N_pad) storage
   under the (B, N, H_kv, d) view), so TMA loads (d, tile_n) tiles of it directly.
 * P goes from the fp32 S accumulator to e4m3 registers as the RS wgmma's A operand. The k32 A
   fragment holds 4 consecutive keys per 32-bit register (k = 4q .. 4q + 3 and 16 + 4q .., q =
   lane % 4), the accumulator 2 per 8-column group (columns 8j + 2q, 8j + 2q + 1): each thread
   swaps 16-bit pairs with the other three lanes of its quad (``quad_exchange_p``, 4 shuffles
   and 4 byte merges per 32 keys and row pair). With V stored in the kernel's token order
-  (``v_perm``, ``fp8_ref.V_PERM16``: the ``fp8=True`` path) the lane already holds its bytes and
+  (``v_perm``, ``formats.V_PERM16``: the ``fp8=True`` path) the lane already holds its bytes and
   only the merges remain (``merge_own_p``).
 * The per-(batch, kv head) descales fold into the scores' exp2 scale (q_descale * k_descale) and
   into O's final 1 / row-sum factor (v_descale); LSE comes out in the descaled units.
-* P is computed as ``fp8_ref.P_SCALE`` * p by the exp2 itself (an offset on its argument), which
+* P is computed as ``formats.P_SCALE`` * p by the exp2 itself (an offset on its argument), which
   keeps small probabilities out of e4m3's subnormals; the row sums carry the same factor, so the
   normalisation cancels it.
 """
@@ -72,7 +72,7 @@ def quad_exchange_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> Non
 
 @cute.jit
 def merge_own_p(rP: cute.Tensor, num_kblocks: cutlass.Constexpr[int]) -> None:
-    """In place, for V in the kernel order (``fp8_ref.V_PERM16``): A-fragment word 4 kb + 2 h + i
+    """In place, for V in the kernel order (``formats.V_PERM16``): A-fragment word 4 kb + 2 h + i
     = the row r + 8 i halves of accumulator words 4 kb + 2 h and 4 kb + 2 h + 1 -- the lane's own
     key pairs 2q, 2q + 1 and 2q + 8, 2q + 9, which that V order puts at positions 4q .. 4q + 3."""
     words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(4 * num_kblocks))
@@ -139,7 +139,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                  max_seqlen_q: Int32, mTileCounter: cute.Tensor, mQdescale: cute.Tensor,
                  mKdescale: cute.Tensor, mVdescale: cute.Tensor, mCuSeqlensV: cute.Tensor | None, stream):
         """The bf16 forward's arguments plus the (B, H_kv) fp32 descales of Q, K and V and, for
-        packed sequences, V's own (S + 1,) token offsets (``fp8_ref.v_varlen_aligned``)."""
+        packed sequences, V's own (S + 1,) token offsets (``formats.v_varlen_aligned``)."""
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
                      window_right, max_seqlen_q, mTileCounter, (mQdescale, mKdescale, mVdescale, mCuSeqlensV),
                      stream)
@@ -252,7 +252,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             self.pack_p_codes(acc_S, rP)
             return
         # P arrives as P_SCALE * p (``p_log2_offset``): small probabilities stay out of e4m3's
-        # subnormals (fp8_ref.P_SCALE) without a multiply per score.
+        # subnormals (formats.P_SCALE) without a multiply per score.
         rP.store(acc_S.load().to(self.dtype))
         if cutlass.const_expr(self.cfg.v_perm):
             merge_own_p(rP, self.tile_n // 32)

@@ -77,7 +77,7 @@ class QuantizeSm90:
         mOut (T, H, d), V storage (H_kv, d, T_pad), mAmax (S, H_kv), mCuSeqlens int32 (S + 1,) and
         ``max_seqlen`` (at least the longest sequence) sizes the grid; dense: None and unused.
         ``mCuSeqlensOut`` (``v_aligned``): where each sequence's V starts in the storage, 16-aligned
-        (``fp8_ref.varlen_v_offsets``); else None."""
+        (``formats.varlen_v_offsets``); else None."""
         mX = warp_mma.to_seq_dim_head(mX)  # (N, d, H, B); packed (T, d, H)
         if cutlass.const_expr(self.transpose):
             # (B, H, d, N_pad) -> (N_pad, d, H, B): element (n, c, h, b) at the same place.
@@ -193,7 +193,7 @@ class QuantizeSm90:
 
     @cute.jit
     def fwht(self, y, lane: Int32):
-        """y <- y H / sqrt(d) over the warp's row, in place (``fp8_ref.fwht``'s butterflies:
+        """y <- y H / sqrt(d) over the warp's row, in place (``reference_fp8.fwht``'s butterflies:
         a, b -> a + b, a - b for index pairs that differ in one bit, lowest bit first)."""
         e = self.per_lane
         in_thread = [1 << i for i in range(e.bit_length() - 1)]  # index bits below log2(E)
@@ -335,7 +335,7 @@ class QuantizeSm90:
         # The padding T .. T_pad - 1 (zeros) is written by the CTA holding token T - 1 rather
         # than filled by the launcher: no extra launch for a strided sliver, and the last chunk
         # stays one 16-byte store. One CTA per head holds it (the CTAs' ranges are disjoint);
-        # T = cu[S], which the op checks (``fp8_ops.check_cu_data``) before any launch.
+        # T = cu[S], which the op checks (``ops_fp8._check_cu_data``) before any launch.
         end = cutlass.select_(hi == mX.shape[0], mOut.shape[0], hi)
         if cutlass.const_expr(self.cfg.v_aligned):
             end = (hi + 15) // 16 * 16
