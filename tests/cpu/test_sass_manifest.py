@@ -12,11 +12,14 @@ import sass_manifest
 
 
 @pytest.mark.slow
-def test_every_shipped_variant_compiles_to_the_recorded_sass() -> None:
+def test_every_shipped_variant_compiles_to_the_recorded_sass(capsys: pytest.CaptureFixture) -> None:
     recorded = sass_manifest.load()
     variants = sass_manifest.variants()
     assert {v.label() for v in variants} == set(recorded), "the variant list and the manifest differ"
     workers = int(os.environ.get("CUTE_FLASH_COMPILE_WORKERS", os.cpu_count() or 1))
+    with capsys.disabled():
+        print(f"\n[sass manifest] compiling {len(variants)} variants in {workers} processes "
+              f"(~{10 * len(variants) // max(workers, 1) // 60} min)...", flush=True)
     now = sass_manifest.compute(variants, workers)
     changed = sorted(label for label, digests in now.items() if digests != recorded[label])
     assert not changed, f"{len(changed)} variants compile to other SASS: {changed[:20]}"

@@ -52,6 +52,11 @@ def reports(request: pytest.FixtureRequest, selected_tests: list[pytest.Item]) -
                 if getattr(item, "originalname", None) == "test_sm80_fwd_variant"
                 and hasattr(item, "callspec")]
     workers = int(os.environ.get("CUTE_FLASH_COMPILE_WORKERS", os.cpu_count() or 1))
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None and len(selected) > 1:
+        with capman.global_and_fixture_disabled():
+            print(f"\n[compile sm80 fwd] compiling {len(selected)} variants in {workers} processes "
+                  f"(~{4 * len(selected) // max(workers, 1)} s)...", flush=True)
     t0 = time.perf_counter()
     reps = ins.inspect_many(selected, workers=workers)
     wall = time.perf_counter() - t0
@@ -60,7 +65,6 @@ def reports(request: pytest.FixtureRequest, selected_tests: list[pytest.Item]) -
     line = (f"\n[compile sm80 fwd] {len(selected)} variants, {workers} processes: {wall:.0f} s wall, "
             f"compile {sum(t for t, _ in times):.0f} s summed, slowest: "
             + ", ".join(f"{n} {t:.1f} s" for t, n in times[-3:]))
-    capman = request.config.pluginmanager.getplugin("capturemanager")
     if capman is not None:
         with capman.global_and_fixture_disabled():
             print(line, flush=True)
