@@ -3,7 +3,7 @@ attention's TFLOP/s beside our bf16 forward and flash-attn-4's in the same run, 
 quantize + FP8 time, and the FA3 paper's accuracy experiment with the kernels. Every part is
 guarded: a failure prints its error and the next part runs.
 
-    python scripts/bench_fp8.py [--hdim 128 256] [--seqlen 2048 8192 16384] [--causal 0 1]
+    python benchmarks/fp8.py [--hdim 128 256] [--seqlen 2048 8192 16384] [--causal 0 1]
         [--parts accuracy quant attn]
 """
 

@@ -265,16 +265,13 @@ def _gpu_main(args: argparse.Namespace) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     from cute_flash import dispatch, jit
 
-    arch = jit.resolve_arch()
     try:
+        arch = jit.device_arch()
         family = dispatch.fwd_family(arch, args.hdim, args.hdim)
-    except ValueError as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
-        family = f"? ({e})"
-    choice = os.environ.get(dispatch.FWD_KERNEL_ENV, "auto")
-    try:
         bfamily = dispatch.bwd_family(arch, args.hdim, args.hdim, False)
-    except ValueError as e:
-        bfamily = f"? ({e})"
+    except ValueError as e:  # e.g. CUTE_FLASH_FWD_KERNEL=sm90 on an Ampere GPU: the checks will say so
+        family = bfamily = f"? ({e})"
+    choice = os.environ.get(dispatch.FWD_KERNEL_ENV, "auto")
     bchoice = os.environ.get("CUTE_FLASH_BWD_KERNEL", "auto")
     print(f"kernels: forward {family} (CUTE_FLASH_FWD_KERNEL={choice}), backward {bfamily} "
           f"(CUTE_FLASH_BWD_KERNEL={bchoice})")

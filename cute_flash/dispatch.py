@@ -91,14 +91,21 @@ def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool) -> str:
 # ---------------------------------------------------------------------------------------------
 # Configs of a problem
 # ---------------------------------------------------------------------------------------------
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"kernel family must be one of {FAMILIES}, got {family!r}")
+
+
 def fwd_config(p: Problem, family: str) -> jit.KernelConfig:
     """The forward kernel of ``family`` for problem ``p``."""
+    _check_family(family)
     return sm90_fwd.plan(p) if family == "sm90" else sm80.fwd_plan(p)
 
 
 def bwd_configs(p: Problem, family: str, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
     """(preprocess, main, postprocess) of ``family`` for problem ``p``; ``overrides``: sm90 main
     config fields as (name, value) pairs (tuning scripts)."""
+    _check_family(family)
     if p.hdim not in SUPPORTED_HEAD_DIMS or p.hdim_v not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dims must be in {SUPPORTED_HEAD_DIMS}, got {p.hdim}/{p.hdim_v}")
     if family == "sm90":
@@ -180,8 +187,8 @@ def configs_for(v: Variant) -> list[jit.KernelConfig]:
     if v.kernel not in ("fwd", "bwd"):
         raise ValueError(f"kernel must be fwd or bwd, got {v.kernel!r}")
     if v.dtype == "e4m3":
-        if v.kernel != "fwd" or not is_hopper(v.arch):
-            raise ValueError("the e4m3 (FP8) kernels are a Hopper forward")
+        if v.kernel != "fwd" or not is_hopper(v.arch) or v.family == "sm80":
+            raise ValueError("the e4m3 (FP8) kernels are a Hopper forward (no sm80 family)")
         # The ``fp8=True`` path: quantize-and-rotate Q / K and V, then the e4m3 attention kernel.
         # Packed sequences write V per sequence from a 16-aligned start, in natural token order.
         quant = [_retarget(c, v.arch) for c in quant_configs("bf16", v.hdim, rotate=True, v_perm=not v.varlen,

@@ -33,12 +33,18 @@ def arch_from_capability(major: int, minor: int) -> str:
 
 
 def resolve_arch(device: Any = None) -> str:
-    """Target for kernels that will run on ``device``; ``CUTE_FLASH_ARCH`` overrides it."""
+    """Compile target for kernels that will run on ``device``; ``CUTE_FLASH_ARCH`` overrides it."""
     env = os.environ.get("CUTE_FLASH_ARCH")
     if env:
         if env not in ARCHS:
             raise ValueError(f"CUTE_FLASH_ARCH must be one of {ARCHS}, got {env!r}")
         return env
+    return device_arch(device)
+
+
+def device_arch(device: Any = None) -> str:
+    """The architecture of ``device`` itself (default: the current CUDA device): what decides the
+    kernel family, whatever compile target ``CUTE_FLASH_ARCH`` names."""
     import torch
 
     if device is None:

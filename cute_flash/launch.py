@@ -121,7 +121,7 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
     lse (B, H, Nq) | (H, Tq) float32. ``family``: ``sm80`` / ``sm90``, None = ``dispatch.fwd_family``.
     """
     if family is None:
-        family = dispatch.fwd_family(jit.resolve_arch(q.device), q.shape[-1], v.shape[-1])
+        family = dispatch.fwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1])
     if family == "sm90":
         # Broadcast inputs (stride 0 on a dim of extent > 1, e.g. K/V expanded over heads) are not
         # a layout the TMA descriptors were checked with: materialise them rather than risk it.
@@ -195,9 +195,8 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         dk.zero_()
         dv.zero_()
         return
-    arch = jit.resolve_arch(q.device)
     if family is None:
-        family = dispatch.bwd_family(arch, q.shape[-1], v.shape[-1], softcap > 0.0)
+        family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0)
     base = dict(dtype=formats.dtype_name(q.dtype), hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
                 local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
                 dlse=dlse is not None)
@@ -205,7 +204,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         p = Problem(target=None, **base, max_seqlen_q=mq, max_seqlen_k=mk, heads_q=q.shape[-2],
                     heads_kv=k.shape[-2], num_sms=sm_count(q.device))
     else:
-        p = Problem(target=arch, **base)
+        p = Problem(target=jit.resolve_arch(q.device), **base)
     cfg, pre, main, post = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
     if family == "sm80":
         need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)

@@ -8,7 +8,6 @@
 # Usage: scripts/device_run.sh [PART ...]      PART: tests | bench | bench-quick | main | all (default)
 #   extra benchmark flags: BENCH_ARGS="--hdim 128 --seqlen 4096" scripts/device_run.sh bench
 #   our sm80 forward too:  BENCH_ARGS="--providers ours ours-sm80 sdpa-flash" scripts/device_run.sh bench
-#   sm90 fwd ablation:     BENCH_ARGS="--ablation" scripts/device_run.sh bench   (Hopper; only that table)
 #   forward family:        CUTE_FLASH_FWD_KERNEL=sm80 scripts/device_run.sh tests   (default auto)
 #   extra pytest flags:    PYTEST_ARGS="-k fwd" scripts/device_run.sh tests
 set -uo pipefail  # no -e: one failing part must not stop the others

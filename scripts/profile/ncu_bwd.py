@@ -2,7 +2,7 @@
 passes so ``ncu --launch-skip`` lands on a warm main kernel.
 
     ncu --clock-control none -k regex:'FlashBwdSm90(Wide)?_object|FlashAttentionBackwardSm90' \\
-        --launch-skip 2 --launch-count 1 --set full -o ours python scripts/ncu_bwd.py ours 64 2048 1
+        --launch-skip 2 --launch-count 1 --set full -o ours python scripts/profile/ncu_bwd.py ours 64 2048 1
 
 A fifth argument ("tile_m=80,mask_always=1") profiles our kernel with those ``BwdSm90Config``
 overrides (``launch.run_bwd`` called directly, as ``scripts/tune/tune_bwd_sm90.py`` does).

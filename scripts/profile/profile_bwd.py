@@ -2,7 +2,7 @@
 backward (preprocess, main, postprocess) beside flash-attn-4's and cuDNN's kernels, from the
 torch profiler, so a gap in the end-to-end TFLOP/s is pinned on one launch.
 
-    python scripts/profile_bwd.py [--hdim 64 128] [--seqlen 2048] [--causal 1] [--iters 20]
+    python scripts/profile/profile_bwd.py [--hdim 64 128] [--seqlen 2048] [--causal 1] [--iters 20]
 """
 
 from __future__ import annotations
@@ -10,10 +10,15 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import sys
+from pathlib import Path
 
 import torch
-import tune_bwd_sm90  # noqa: E402  (same directory: peer closures)
 from torch.profiler import ProfilerActivity, profile
+
+# The tuning script's problem builder and peer closures (scripts/tune/tune_bwd_sm90.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tune"))
+import tune_bwd_sm90  # noqa: E402
 
 from cute_flash.launch import run_bwd
 

@@ -1,11 +1,11 @@
 """Developer probe: where the FP8 paths' time goes, on one set of inputs (8 sequences of
 ~2k tokens, d = 128; dense 8 x 2k beside them).
 
-    python scripts/profile_fp8.py           per-kernel CUDA time (torch.profiler)
-    python scripts/profile_fp8.py --host    host time per call and a cProfile of it (the varlen
+    python scripts/profile/profile_fp8.py           per-kernel CUDA time (torch.profiler)
+    python scripts/profile/profile_fp8.py --host    host time per call and a cProfile of it (the varlen
                                             benchmarks swung 430 <-> 600 TFLOP/s between runs: a
                                             host-bound loop)
-    python scripts/profile_fp8.py --steps   host time of the steps inside varlen fp8=True: the two
+    python scripts/profile/profile_fp8.py --steps   host time of the steps inside varlen fp8=True: the two
                                             ops, the quantize function without the op, one kernel
                                             executor call, a small allocation, a cache lookup
 """

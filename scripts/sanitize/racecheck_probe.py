@@ -12,7 +12,7 @@ hazard on every store. racecheck orders an async copy before the waiters of the 
 completes on, but not a thread's accesses before another thread's across an mbarrier
 arrive -> wait; ``scripts/sanitize.sh`` prints the three verdicts beside the kernels'.
 
-    compute-sanitizer --tool racecheck python scripts/racecheck_probe.py sts
+    compute-sanitizer --tool racecheck python scripts/sanitize/racecheck_probe.py sts
 """
 
 import sys

@@ -7,9 +7,9 @@ sequence, so the CTAs past a short sequence's end are exercised), forward and, w
 has one, backward, through the public API. Outputs are checked loosely against the fp32
 reference, so a race that the sanitizer's timing brings out shows up as a wrong answer too.
 
-    python scripts/sanitize.py --list
-    python scripts/sanitize.py --family sm90-d128 [--override prefetch_stats=0 ...]
-    compute-sanitizer --tool racecheck python scripts/sanitize.py --family sm90-d128
+    python scripts/sanitize/sanitize.py --list
+    python scripts/sanitize/sanitize.py --family sm90-d128 [--override prefetch_stats=0 ...]
+    compute-sanitizer --tool racecheck python scripts/sanitize/sanitize.py --family sm90-d128
 
 ``--override`` sets sm90 backward config fields (``BwdSm90Config``) for A/B runs of one switch.
 """

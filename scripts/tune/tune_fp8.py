@@ -4,7 +4,7 @@ rotated so clock drift does not favour one candidate. Each candidate's output is
 a bf16 SDPA of the dequantized inputs; one whose error exceeds 1.5x the default's is
 flagged WRONG and not timed.
 
-    python scripts/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \\
+    python scripts/tune/tune_fp8.py --hdim 128 --seqlen 8192 16384 --causal 0 1 \\
         --variant "tile_n=192" "tile_n=224" "pingpong=1"
 """
 

@@ -1,5 +1,5 @@
 """Forward tile sweep on the GPU (developer tool): TFLOP/s of each (tile_m, tile_n, threads)
-candidate against SDPA-flash in the same run. Usage: python scripts/tune_fwd.py [d ...]"""
+candidate against SDPA-flash in the same run. Usage: python scripts/tune/tune_fwd.py [d ...]"""
 
 import math
 import sys

@@ -2,7 +2,8 @@
 overlap, tile) candidate beside cuDNN and flash-attn-4 in the same run, each output checked
 against SDPA-flash's (relative L2; a wrong variant is flagged, not timed as if it were right).
 
-    python scripts/tune_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1] [--tiles d:tm,tn,st ...]
+    python scripts/tune/tune_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
+                                     [--tiles d:tm,tn,st ...]
 """
 
 import argparse

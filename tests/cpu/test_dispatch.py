@@ -139,6 +139,24 @@ def test_public_entry_points_launch_the_sm90_family_on_hopper(gpu, monkeypatch) 
     assert not sm80.causal
 
 
+def test_the_family_follows_the_device_not_the_compile_target_override(gpu, monkeypatch) -> None:
+    """``CUTE_FLASH_ARCH`` names a compile target (cross-compiling without a GPU); on a GPU the
+    family still comes from the device, so a Hopper keeps its sm90 kernels."""
+    compiled = gpu(9, 0)
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_80")
+    q, k, v = (torch.randn(2, 70, 4, 64, dtype=BF16) for _ in range(3))
+    ops._fwd_cuda(q, k, v, 0.125, True, (-1, -1), 0.0)
+    assert [type(c) for c in compiled] == [FwdSm90Config]
+    assert dispatch.bwd_family(jit.device_arch(torch.device("cuda", 0)), 128, 128, False) == "sm90"
+
+
+def test_an_unknown_family_name_is_refused() -> None:
+    p = Problem(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128)
+    for call in (lambda: dispatch.fwd_config(p, "fp8"), lambda: dispatch.bwd_configs(p, "sm9O")):
+        with pytest.raises(ValueError, match="kernel family must be one of"):
+            call()
+
+
 def test_a_gpu_the_kernels_do_not_support_is_a_clear_error(gpu) -> None:
     gpu(10, 0)
     q, k, v = (torch.randn(2, 70, 4, 64, dtype=BF16) for _ in range(3))

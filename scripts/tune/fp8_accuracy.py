@@ -1,7 +1,7 @@
 """RMSE vs fp64 on the FA3 paper's outlier inputs (N = 4k, rotation on) for FP8 forward config
 overrides, next to the default:
 
-    python scripts/fp8_accuracy.py --hdim 128 --variant "exp_bytes=1"
+    python scripts/tune/fp8_accuracy.py --hdim 128 --variant "exp_bytes=1"
 """
 
 from __future__ import annotations
