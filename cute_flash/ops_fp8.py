@@ -78,8 +78,8 @@ def fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Te
             softmax_scale: float, causal: bool, window_left: int, window_right: int,
             out_dtype: torch.dtype, v_perm: bool = False) -> tuple[Tensor, Tensor]:
     out, lse = reference_fp8.attention_fp8_ref(q8, k8, v8, q_descale, k_descale, v_descale,
-                                         softmax_scale=softmax_scale, causal=causal,
-                                         window_size=(window_left, window_right), v_perm=v_perm)
+                                               softmax_scale=softmax_scale, causal=causal,
+                                               window_size=(window_left, window_right), v_perm=v_perm)
     return out.to(out_dtype).contiguous(), lse.contiguous()
 
 
@@ -96,8 +96,8 @@ def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window
         v8 = launch.relayout_v(v8, v_perm=True)
         v_perm = True
     launch.run_fwd_fp8(q8.contiguous(), k8.contiguous(), v8, q_descale, k_descale, v_descale, out, lse,
-                softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                v_perm=v_perm)
+                       softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                       v_perm=v_perm)
     return out, lse
 
 
@@ -139,7 +139,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, s
 
     _check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return launch.quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               rotate=rotate, seed=seed, v_aligned=v_aligned)
+                                      rotate=rotate, seed=seed, v_aligned=v_aligned)
 
 
 @quantize_qkv_varlen_op.register_fake
@@ -190,9 +190,9 @@ def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_desc
     else:
         v_store, cu_v = launch.relayout_v_varlen(v8, cu_seqlens_k, max_seqlen_k)
     launch.run_fwd_fp8(q8.contiguous(), k8.contiguous(), v_store, q_descale, k_descale, v_descale, out, lse,
-                softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                cu_seqlens_v=cu_v)
+                       softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       cu_seqlens_v=cu_v)
     return out, lse
 
 

@@ -271,7 +271,7 @@ class FlashBwdSm80:
                                  (ctx.n_block, 0))
             tc = thr.partition_S(cute.make_identity_tensor((self.tile_n, d)))
             warp_mma.load_block(copy, thr.partition_S(gT), thr.partition_D(sT), tc, rows_left,
-                              partial=True, zero_fill=True)
+                                partial=True, zero_fill=True)
 
     @cute.jit
     def load_rows_and_vec(self, ctx, mT, mVec, sT, sVec, d: int, head, m_block, slot):
@@ -284,7 +284,7 @@ class FlashBwdSm80:
         gT = cute.local_tile(seqlen.q_rows(mT, head, ctx.batch), (self.tile_m, d), (m_block, 0))
         tc = thr.partition_S(cute.make_identity_tensor((self.tile_m, d)))
         warp_mma.load_block(copy, thr.partition_S(gT), thr.partition_D(sT[None, None, slot]), tc,
-                          seqlen.seqlen_q - m_block * self.tile_m, partial=True, zero_fill=True)
+                            seqlen.seqlen_q - m_block * self.tile_m, partial=True, zero_fill=True)
         vec_threads = self.tile_m // 4
         if ctx.tidx < vec_threads:
             vcopy = scratch.tiled_copy_1d(Float32, vec_threads, 4, async_copy=True)
@@ -357,14 +357,14 @@ class FlashBwdSm80:
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_S.fill(0.0)
         warp_mma.gemm_ss(ctx.mma_sdp, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ[None, None, None, slot], ctx.tSsK,
-                       ctx.s2r_sdp_A, ctx.s2r_sdp_B)
+                         ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         dtanh = self.scores_to_probs(ctx, acc_S, m_block, slot, need_mask)
 
         # ---- dP = dO V^T, dS = P (dP - D) ----
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP.fill(0.0)
         warp_mma.gemm_ss(ctx.mma_sdp, acc_dP, ctx.tdPrdO, ctx.tdPrV, ctx.tdPsdO[None, None, None, slot],
-                       ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
+                         ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
         self.probs_to_dS(ctx, acc_S, acc_dP, dtanh, slot)
 
         # ---- P, dS -> smem (16 bit); every later GEMM reads them from there ----
@@ -385,21 +385,21 @@ class FlashBwdSm80:
                 self.load_dO(ctx, h1, m1, 1 - slot)
             cute.arch.cp_async_commit_group()
             warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
-                           ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                             ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             self.dQ_step(ctx, head, m_block)
             warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
-                           ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                             ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
         else:
             # Single buffers (large head dims): dO(next) may land once every warp is done with dV,
             # Q(next) once every warp is done with dK; the dQ GEMM then hides the Q load.
             warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dV, ctx.tdVrPt, ctx.tdVrdOt, ctx.tdVsPt,
-                           ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                             ctx.tdVsdOt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
                 self.load_dO(ctx, h1, m1, slot)
             cute.arch.cp_async_commit_group()
             warp_mma.gemm_ss(ctx.mma_dkv, ctx.acc_dK, ctx.tdKrdSt, ctx.tdKrQt, ctx.tdKsdSt,
-                           ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
+                             ctx.tdKsQt[None, None, None, slot], ctx.s2r_dkv_A, ctx.s2r_dkv_B)
             cute.arch.barrier()
             if has_next:
                 self.load_Q(ctx, h1, m1, slot)

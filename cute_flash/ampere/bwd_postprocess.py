@@ -91,4 +91,4 @@ class FlashBwdPostSm80:
         gdQ = cute.local_tile(seqlen.q_rows(mdQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
         copy_dQ = warp_mma.r2g_tiled_copy(self.dtype, self.hdim, self.num_threads)
         warp_mma.store_rows(copy_dQ, copy_dQ.get_slice(tidx), sdQ, gdQ, self.tile_m, self.hdim,
-                          seqlen.seqlen_q - m_block * self.tile_m)
+                            seqlen.seqlen_q - m_block * self.tile_m)

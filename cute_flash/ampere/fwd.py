@@ -142,7 +142,7 @@ class FlashFwdSm80:
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
         warp_mma.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
-                         seqlen.seqlen_q - m_block * self.tile_m, tidx)
+                           seqlen.seqlen_q - m_block * self.tile_m, tidx)
         if n_block_max > n_block_min:
             self.load_K(ctx, n_block_max - 1, 0, partial=True)
         cute.arch.cp_async_commit_group()
@@ -187,16 +187,16 @@ class FlashFwdSm80:
     @cute.jit
     def load_K(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
         warp_mma.load_block(self.copy_QK, ctx.tKgK[None, None, None, n_block],
-                          ctx.tKsK[None, None, None, stage], ctx.tKcK,
-                          ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
+                            ctx.tKsK[None, None, None, stage], ctx.tKcK,
+                            ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
 
     @cute.jit
     def load_V(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
         # V rows past the sequence end must be zeros, not stale smem: P is 0 there but 0 * NaN
         # would still poison O.
         warp_mma.load_block(self.copy_V, ctx.tVgV[None, None, None, n_block],
-                          ctx.tVsV[None, None, None, stage], ctx.tVcV,
-                          ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
+                            ctx.tVsV[None, None, None, stage], ctx.tVcV,
+                            ctx.seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
 
     @cute.jit
     def one_block(self, ctx, n_block: Int32, is_first: cutlass.Constexpr[bool],
@@ -220,7 +220,7 @@ class FlashFwdSm80:
             cute.arch.cp_async_commit_group()
 
         warp_mma.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
-                       ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
+                         ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
@@ -243,7 +243,7 @@ class FlashFwdSm80:
                 self.load_K(ctx, n_block - 1, 0, partial=False)
             cute.arch.cp_async_commit_group()
         warp_mma.gemm_rs(self.mma, ctx.acc_O, acc_to_frgA(rP), ctx.tOrVt, ctx.tOsVt[None, None, None, stage],
-                       ctx.s2r_V, prefetch=self.prefetch)
+                         ctx.s2r_V, prefetch=self.prefetch)
 
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):
@@ -267,6 +267,6 @@ class FlashFwdSm80:
         cute.arch.barrier()
         gO = cute.local_tile(seqlen.q_rows(mO, head, batch), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
         warp_mma.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
-                          rows_left)
+                            rows_left)
 
 

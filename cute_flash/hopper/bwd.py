@@ -243,10 +243,10 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
         args = warp_mma.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
-                          mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
-                          qhead_per_kv=qhead_per_kv)
+                            mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
+                            qhead_per_kv=qhead_per_kv)
         loads = warp_mma.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
-                           tma_V=tma_V, tma_dO=tma_dO)
+                             tma_V=tma_V, tma_dO=tma_dO)
         n_block, head_kv, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.lpt):
             n_block, head_kv = self.longest_first(n_block, head_kv, walk)
@@ -331,9 +331,9 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                 q_per = num_n // m_count
                 rank_plan = (m_count, q_per, num_n - q_per * m_count, n_block // m_count)
         work = warp_mma.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
-                          m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
-                          prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
-                          mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)
+                            m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
+                            prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
+                            mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)
         return seqlen, work
 
     # ------------------------------------------------------------------------------------------

@@ -346,8 +346,8 @@ class FlashFwdSm90:
         smem = warp_mma.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
         pipes = warp_mma.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
         geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
-                         window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
-                         next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
+                           window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
+                           next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -510,11 +510,11 @@ class FlashFwdSm90:
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(smem.sQ))
         ctx = warp_mma.Ctx(thr_qk=thr_qk, thr_pv=thr_pv, tSrQ=tSrQ,
-                         tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
-                         tOrVt=self.v_operand(wg_pv, smem.sV),
-                         acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
-                         score_scale=score_scale, scale_log2=scale_log2, wg=wg, tidx=tidx,
-                         row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
+                           tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(smem.sK)),
+                           tOrVt=self.v_operand(wg_pv, smem.sV),
+                           acc_O=acc_O, rP=rP, softmax=softmax, pipe_k=pipes.k, pipe_v=pipes.v,
+                           score_scale=score_scale, scale_log2=scale_log2, wg=wg, tidx=tidx,
+                           row_scale=cute.make_rmem_tensor_like(softmax.row_max, Float32))
         self.extra_ctx(ctx, smem, wg)
         if cutlass.const_expr(self.pingpong):
             # Ping-pong: consumer warpgroup 0 gets the first turn at the tensor cores. Every
@@ -725,4 +725,4 @@ class FlashFwdSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             warp_mma.store_rows(self.copy_O, self.copy_O.get_slice(tidx), sO, gO, self.tile_m, self.hdim_v,
-                              rows_left)
+                                rows_left)

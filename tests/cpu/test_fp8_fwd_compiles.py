@@ -120,7 +120,7 @@ def test_fp8_forward_refuses_what_it_does_not_do_yet() -> None:
 
 def test_fp8_launch_takes_the_persistent_grid_for_short_sequences_and_claims_causal_tiles() -> None:
     assert fp8_launch_fields(4096, causal=False, local=False, num_sms=132) == {"num_ctas": 132,
-                                                                             "dynamic_tiles": False}
+                                                                               "dynamic_tiles": False}
     assert fp8_launch_fields(300, causal=True, local=False, num_sms=132) == {"num_ctas": 132,
                                                                             "dynamic_tiles": True}
     assert fp8_launch_fields(4097, causal=False, local=False, num_sms=132) == {}

@@ -415,7 +415,7 @@ def test_forward_launcher_overwrites_nan_poisoned_outputs(seed, case):
     lse = torch.full((case.batch, case.heads[0], case.nq), float("nan"), device="cuda")
     scale = case.hdim ** -0.5
     launch.run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=case.causal, window_size=case.window,
-            softcap=case.softcap)
+                   softcap=case.softcap)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     r_out, r_lse = attention_ref(q, k, v, softmax_scale=scale, **case.kwargs())
@@ -433,7 +433,7 @@ def test_varlen_forward_launcher_overwrites_nan_poisoned_outputs(seed):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((4, sum(lens_q)), float("nan"), device="cuda")
     launch.run_fwd(q, k, v, out, lse, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
+                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q))
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     kw = dict(softmax_scale=0.125, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
