@@ -155,7 +155,3 @@ def compile_artifacts(cfg: KernelConfig) -> tuple[str, bytes]:
     """(PTX text, cubin bytes) of one variant, for inspection."""
     fn = compile_kernel(cfg, keep=True)
     return fn.artifacts.PTX, fn.artifacts.CUBIN
-
-
-def cache_size() -> int:
-    return len(_cache)

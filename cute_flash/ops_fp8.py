@@ -31,6 +31,8 @@ def _check_cu_data(q: Tensor, k: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
     """The cu_seqlens values (a host sync), in the ops' real implementations before any launch:
     a bad offset would send the kernels' loads out of bounds."""
     validate.check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+
+
 # ---------------------------------------------------------------------------------------------
 # cute_flash::quantize_qkv
 # ---------------------------------------------------------------------------------------------
