@@ -1,7 +1,7 @@
 """The project's text says what the code is and why, not when or in which round of work it came
-about: no working-log vocabulary (work sessions, numbered runs, issue numbers, dates, the removed
-notes file) in the README, docs, code, scripts, benchmarks, tests or CI. A hit is reported as
-``path:line: text`` so it can be rewritten where it stands."""
+about: no working-log vocabulary (numbered work periods and measurement rounds, tracker numbers,
+dates, the removed notes file) in the README, docs, code, scripts, benchmarks, tests or CI. A hit
+is reported as ``path:line: text`` so it can be rewritten where it stands."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("README.md", "docs", "cute_flash", "scripts", "benchmarks", "tests", "pyproject.toml", ".ci")
-HISTORY = re.compile(r"(?i)\bsessions?\b|\brun\s+\d+\b|\bruns?\s+[0-9]+\s*/|\bissue\s*#?\s*\d+"
-                     r"|\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b|docs/notes\.md")
+# (The flagged words are split across string pieces so that this file passes its own scan.)
+HISTORY = re.compile(r"(?i)\bsess" r"ions?\b|\br" r"un\s+\d+\b|\br" r"uns?\s+[0-9]+\s*/"
+                     r"|\biss" r"ue\s*#?\s*\d+|\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b|docs/notes\.md")
 # Data, not prose: images, recorded digests and measurements, compiled artefacts.
 BINARY_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".json", ".csv", ".npz", ".npy", ".pt",
                    ".cubin", ".ptx", ".sass", ".so", ".pyc", ".whl", ".gz", ".zip"}
@@ -54,21 +55,22 @@ def test_the_scan_sees_the_project() -> None:
     assert Path(__file__).resolve() in files
 
 
+# The examples spell the flagged words through placeholders, so this file passes its own scan.
+WORDS = dict(S="sess" + "ion", R="r" + "un", I="iss" + "ue")
+
+
 @pytest.mark.parametrize("text,hit", [
-    ("measured in session 18", True), ("Sessions of tuning", True), ("see run 3", True),
-    ("runs 2 / 3 agree", True), ("(issue 5)", True), ("fixes issue #12", True), ("on 2024-03-01", True),
-    ("docs/notes.md says", True), ("one run, 3 rounds", False), ("a training run", False),
-    ("the issue is the lock", False), ("2 runs", False), ("request.node", False), ("v2024", False)])
+    ("measured in {S} 18", True), ("{S}s of tuning", True), ("see {R} 3", True),
+    ("{R}s 2 / 3 agree", True), ("({I} 5)", True), ("fixes {I} #12", True), ("on 2024" + "-03-01", True),
+    ("docs/notes" + ".md says", True), ("one {R}, 3 rounds", False), ("a training {R}", False),
+    ("the {I} is the lock", False), ("2 {R}s", False), ("request.node", False), ("v2024", False)])
 def test_the_pattern_catches_history_and_leaves_prose_alone(text: str, hit: bool) -> None:
-    assert bool(HISTORY.search(text)) == hit
+    assert bool(HISTORY.search(text.format(**WORDS))) == hit
 
 
 def test_no_development_history_in_the_project() -> None:
-    me = Path(__file__).resolve()
     hits = []
     for path in _files():
-        if path == me:
-            continue
         text = _text(path)
         if text is None:
             continue
