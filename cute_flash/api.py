@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cute_flash import ops as _ops  # noqa: F401  (registers torch.ops.cute_flash.*)
+from cute_flash import ops as _ops  # (also registers torch.ops.cute_flash.*)
 from cute_flash import ops_fp8, validate
 from cute_flash.formats import FP8
 
@@ -56,7 +56,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if any(x is not None for x in (q_descale, k_descale, v_descale)):
         raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
-    out, lse = torch.ops.cute_flash.fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic))
+    out, lse = _ops.attention_fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -108,9 +108,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if any(x is not None for x in (q_descale, k_descale, v_descale)):
         raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
-    out, lse = torch.ops.cute_flash.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                               int(max_seqlen_k), scale, bool(causal), wl, wr, cap,
-                                               bool(deterministic))
+    out, lse = _ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                         int(max_seqlen_k), scale, bool(causal), wl, wr, cap,
+                                         bool(deterministic))
     return (out, lse) if return_lse else out
 
 

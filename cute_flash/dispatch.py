@@ -115,6 +115,12 @@ def bwd_configs(p: Problem, family: str, overrides: tuple = ()) -> tuple[jit.Ker
     return sm80.bwd_plan(p)
 
 
+def bwd_head_split(p: Problem, family: str, overrides: tuple = ()) -> int:
+    """CTA rows per K/V head in the backward of ``family`` (GQA groups split over CTAs, their dK /
+    dV partials summed after): 1 where one CTA covers the group."""
+    return sm90_bwd.head_split(p, overrides) if family == "sm90" else 1
+
+
 def fp8_fwd_config(p: Problem, v_perm: bool, overrides: tuple = ()) -> jit.KernelConfig:
     """The FP8 attention kernel for problem ``p`` (``v_perm``: V in the kernel's token order)."""
     return fp8.plan(p, v_perm=v_perm, overrides=overrides)

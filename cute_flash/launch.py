@@ -141,11 +141,19 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=512)
 def _bwd_kernels(p: Problem, family: str, overrides: tuple) -> tuple:
-    """The main config and the compiled (pre, main, post) kernels of one backward problem, cached:
-    a backward at N = 2k runs in ~0.5 ms, and building the configs and their launch rules on every
-    call (~0.1-0.2 ms of Python) can leave the GPU waiting for the host."""
+    """The main config, the compiled (pre, main, post) kernels and the head split of one backward
+    problem, cached: a backward at N = 2k runs in ~0.5 ms, and building the configs and their
+    launch rules on every call (~0.1-0.2 ms of Python) can leave the GPU waiting for the host."""
     pre, main, post = dispatch.bwd_configs(p, family, overrides)
-    return (main, *(jit.compile_kernel(c) for c in (pre, main, post)))
+    split = dispatch.bwd_head_split(p, family, overrides) if getattr(main, "split_heads", False) else 1
+    return (main, *(jit.compile_kernel(c) for c in (pre, main, post)), split)
+
+
+def _partial_grads(k: Tensor, v: Tensor, split: int) -> tuple[Tensor, Tensor]:
+    """dK / dV partial sums of a split query-head group: ``split`` heads per K/V head, adjacent."""
+    lead, hkv = k.shape[:-2], k.shape[-2]
+    return (torch.empty(*lead, hkv * split, k.shape[-1], dtype=k.dtype, device=k.device),
+            torch.empty(*lead, hkv * split, v.shape[-1], dtype=v.dtype, device=v.device))
 
 
 def alloc_scratch(q: Tensor, tile_m: int, hdim: int, deterministic: bool, num_batch: int, rows: int,
@@ -205,7 +213,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                     heads_kv=k.shape[-2], num_sms=sm_count(q.device))
     else:
         p = Problem(target=jit.resolve_arch(q.device), **base)
-    cfg, pre, main, post = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
+    cfg, pre, main, post, split = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
     if family == "sm80":
         need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -216,9 +224,14 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     lse2, dsum, dq_acc, sem = alloc_scratch(q, tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
-    main(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k, sem, scale,
+    dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
+    main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
+    if split > 1:
+        # fp32 sums of the partials (a fixed order: deterministic mode holds), rounded once.
+        for part, grad in ((dk_main, dk), (dv_main, dv)):
+            torch.sum(part.unflatten(-2, (k.shape[-2], split)), dim=-2, out=grad)
 
 
 # ---------------------------------------------------------------------------------------------

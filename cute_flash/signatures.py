@@ -62,10 +62,12 @@ def scratch_fakes(varlen: bool, h, b, with_sem: bool):
     return lse2, d, dq_acc, sem
 
 
-def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, deterministic: bool) -> tuple:
+def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, deterministic: bool,
+                       split_heads: bool = False) -> tuple:
     """Compile arguments of every main backward kernel (sm80 and sm90 share the call signature):
     (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k, semaphores, softmax_scale, softcap,
-    window_left, window_right, max_seqlen_k, stream)."""
+    window_left, window_right, max_seqlen_k, stream). ``split_heads``: dk / dv have their own head
+    count (partial sums, a multiple of k's heads)."""
     dt = jit.DTYPES[dtype]
     div = jit.vec_div(dt)
     h, hkv, d, dv = jit.sym(), jit.sym(), hdim, hdim_v
@@ -83,8 +85,12 @@ def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, determi
     k = jit.fake_tensor(dt, k_shape(d), divisibility=div)
     v = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
     do = jit.fake_tensor(dt, q_shape(dv), divisibility=div)
-    dk = jit.fake_tensor(dt, k_shape(d), divisibility=div)
-    dvv = jit.fake_tensor(dt, k_shape(dv), divisibility=div)
+    dk_shape = k_shape
+    if split_heads:
+        hdk = jit.sym()
+        dk_shape = (lambda x: (tk, hdk, x)) if varlen else (lambda x: (b, nk, hdk, x))
+    dk = jit.fake_tensor(dt, dk_shape(d), divisibility=div)
+    dvv = jit.fake_tensor(dt, dk_shape(dv), divisibility=div)
     lse2, dsum, dq_acc, sem = scratch_fakes(varlen, h, b, deterministic)
     scalars = scalar_args()
     return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, jit.fake_stream())

@@ -177,15 +177,20 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
         num_batch, seqlen_k = warp_mma.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
-        grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
+        # One CTA row per K/V head, or with ``split_heads`` per head of dK / dV: a K/V head's query
+        # heads split over several CTAs, each writing its partial dK / dV (the launcher sums them).
+        heads = mK.shape[2]
+        if cutlass.const_expr(self.cfg.split_heads):
+            heads = mdK.shape[2]
+        grid = (cute.ceil_div(seqlen_k, self.tile_n), heads, num_batch)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         scales = (softmax_scale, score_scale, scale_log2)
         # Integer divisions by launch-invariant numbers happen here, once, not at every CTA's start
         # (``section_walk_plan``): the GQA ratio, and the longest-first walk's divisors.
-        qhead_per_kv = mQ.shape[2] // mK.shape[2]
+        qhead_per_kv = mQ.shape[2] // heads
         walk = ()
         if cutlass.const_expr(self.lpt):
-            num_h = mK.shape[2]
+            num_h = heads
             rows = mQ.shape[0] * qhead_per_kv
             group = section_size(Int32(self.cfg.lpt_rows_in_l2()), rows, num_h)
             walk = section_walk_plan(grid[0], num_h, group, self.cfg.lpt_balanced,
@@ -242,7 +247,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                              for name, layout in self.smem_layouts().items()},
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
-        args = warp_mma.Ctx(mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+        args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
                             mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
                             qhead_per_kv=qhead_per_kv)
         loads = warp_mma.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
@@ -312,9 +317,13 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
             order_rank = num_n - 1 - n_block
             prev_valid = n_block + 1 < num_n
             prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block + 1)
-        # GQA/MQA: this KV head's query heads are [head_kv * group, (head_kv + 1) * group) (the
-        # launcher's ratio: no division at the CTA's start).
+        # GQA/MQA: this CTA's query heads are [head_kv * group, (head_kv + 1) * group) (the
+        # launcher's ratio: no division at the CTA's start). ``split_heads``: ``head_kv`` indexes
+        # the partial dK / dV, and K / V are those of its K/V head.
         group = args.qhead_per_kv
+        kv_head = head_kv
+        if cutlass.const_expr(self.cfg.split_heads):
+            kv_head = head_kv // (args.mdK.shape[2] // args.mK.shape[2])
         # ``rotate_m``: key block n walks its query blocks from the n-th one on (wrapping), so the
         # CTAs of one head are at different query blocks at any moment.
         rot = None
@@ -330,7 +339,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                 m_count = cutlass.max(num_m, 1)
                 q_per = num_n // m_count
                 rank_plan = (m_count, q_per, num_n - q_per * m_count, n_block // m_count)
-        work = warp_mma.Ctx(n_block=n_block, head_kv=head_kv, batch=batch, group=group,
+        work = warp_mma.Ctx(n_block=n_block, head_kv=head_kv, kv_head=kv_head, batch=batch, group=group,
                             m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                             prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
                             mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)

@@ -59,6 +59,8 @@ SM90_BWD_LPT_BALANCED = True
 SM90_BWD_DET_ROTATE = (64, 96, 128, 256)
 # The rotated query-block walk, by (head dim, masked): measured faster at d = 256 non-causal.
 SM90_BWD_ROTATE_M = {(256, False)}
+# GQA / MQA: query heads per CTA in the backward where the group is split over CTAs (``head_split``).
+SM90_BWD_HEADS_PER_CTA: dict[int, int] = {}
 # Preprocess CTA size (256 measured within noise).
 SM90_BWD_PRE_THREADS = 128
 
@@ -129,6 +131,10 @@ class BwdSm90Config(jit.KernelConfig):
     # Narrow kernel: dS^T to smem before dV's wgmma is issued, its proxy fence and barrier after
     # (flash-attn-4's order), so the stores drain while dV's wgmmas issue.
     ds_before_dv: bool | None = None
+    # GQA / MQA: a K/V head's query heads split over several CTAs (dK / dV given with more heads
+    # than K / V: one partial sum per CTA row, summed by the launcher), instead of one CTA looping
+    # over the whole group. How many: ``head_split``.
+    split_heads: bool = False
 
     kernel_name = "bwd_sm90"
 
@@ -281,7 +287,7 @@ class BwdSm90Config(jit.KernelConfig):
     def fake_args(self) -> tuple:
         """Every main backward kernel's arguments (``signatures.bwd_main_fake_args``)."""
         return signatures.bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen,
-                                             self.deterministic)
+                                             self.deterministic, self.split_heads)
 
 
 @dataclass(frozen=True)
@@ -324,13 +330,32 @@ def det_rotate_applies(cfg: BwdSm90Config, max_seqlen_k: int, num_sms: int) -> b
             and (max_seqlen_k + cfg.tile_n - 1) // cfg.tile_n <= num_sms)
 
 
+def head_split(p: Problem, overrides: tuple = ()) -> int:
+    """How many CTA rows share one K/V head's query heads (``split_heads``; 1 = one CTA loops over
+    the whole group). ``overrides`` may name it (``head_split``, a divisor of the group)."""
+    group = p.heads_q // max(p.heads_kv, 1)
+    given = dict(overrides).get("head_split")
+    if given is not None:
+        if given < 1 or group % given:
+            raise ValueError(f"sm90 backward: head_split {given} must divide the group ({group})")
+        return int(given)
+    if group == 1 or not p.extents_known:
+        return 1
+    per_cta = SM90_BWD_HEADS_PER_CTA.get(p.hdim, 1)
+    return group // per_cta if group % per_cta == 0 else group
+
+
 def plan(p: Problem, overrides: tuple = ()) -> tuple[BwdPreConfig, BwdSm90Config, BwdSm90PostConfig]:
     """(preprocess, main, postprocess) of one backward problem: the long-sequence tile, the rotated
-    deterministic order and balanced ``lpt`` sections where their launch rules hold (extents known);
-    ``overrides``: ``BwdSm90Config`` fields as (name, value) pairs (tuning scripts)."""
+    deterministic order, balanced ``lpt`` sections and split query-head groups (``head_split``)
+    where their launch rules hold (extents known); ``overrides``: ``BwdSm90Config`` fields as
+    (name, value) pairs (tuning scripts), and ``head_split``."""
     problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
                    softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
     fixed = dict(overrides)
+    fixed.pop("head_split", None)
+    if "split_heads" not in fixed and head_split(p, overrides) > 1:
+        fixed["split_heads"] = True
     if not p.extents_known:
         cfg = BwdSm90Config(target=p.target, **problem, **fixed)
         return cfg.pre(dlse=p.dlse), cfg, cfg.post()
@@ -350,6 +375,10 @@ def compile_variants(p: Problem) -> list[jit.KernelConfig]:
     configs = list(plan(p))
     problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
                    softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+    if p.heads_q > p.heads_kv:
+        # (GQA: the split-group kernel whenever the extents ask for it.)
+        split = BwdSm90Config(target=p.target, **problem, split_heads=True)
+        configs += [split] if split not in configs else []
     long_rows = long_rows_overrides(problem, max_seqlen_q=1 << 30)
     if long_rows:
         main = BwdSm90Config(target=p.target, **problem, **long_rows)

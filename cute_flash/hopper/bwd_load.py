@@ -23,7 +23,7 @@ class BwdProducer:
         one = cute.make_layout(1)
         out = ()
         for mT, tma, sT, width in ((mK, tma_K, smem.sK, self.hdim), (mV, tma_V, smem.sV, self.hdim_v)):
-            gT = cute.local_tile(seqlen.k_rows(mT, work.head_kv, work.batch), (self.tile_n, width),
+            gT = cute.local_tile(seqlen.k_rows(mT, work.kv_head, work.batch), (self.tile_n, width),
                                  (work.n_block, 0))
             out += tuple(cpasync.tma_partition(tma, 0, one, cute.group_modes(sT, 0, 2),
                                                cute.group_modes(gT, 0, 2)))

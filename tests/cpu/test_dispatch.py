@@ -254,6 +254,33 @@ def test_a_compile_only_problem_is_the_base_variant() -> None:
     assert (cfg.num_ctas, cfg.dynamic_tiles, cfg.pack_gqa, cfg.target) == (0, False, 1, "sm_90a")
 
 
+def _gqa_problem(heads_q: int, heads_kv: int, known: bool = True) -> Problem:
+    n = 4096 if known else None
+    return Problem(target=None, dtype="bf16", hdim=128, hdim_v=128, causal=True, max_seqlen_q=n,
+                   max_seqlen_k=n, heads_q=heads_q, heads_kv=heads_kv, num_sms=132)
+
+
+def test_sm90_bwd_splits_a_gqa_group_over_ctas() -> None:
+    from cute_flash.hopper import bwd_config
+
+    gqa, mha = _gqa_problem(32, 8), _gqa_problem(16, 16)
+    assert bwd_config.plan(gqa)[1].split_heads and dispatch.bwd_head_split(gqa, "sm90") > 1
+    assert not bwd_config.plan(mha)[1].split_heads and dispatch.bwd_head_split(mha, "sm90") == 1
+    assert dispatch.bwd_head_split(gqa, "sm80") == 1
+    one = (("head_split", 1),)
+    assert not bwd_config.plan(gqa, one)[1].split_heads and bwd_config.head_split(gqa, one) == 1
+    # A compile-only GQA problem builds both kernels; the split one where the extents ask for it.
+    variants = bwd_config.compile_variants(_gqa_problem(32, 8, known=False))
+    assert {c.split_heads for c in variants if isinstance(c, BwdSm90Config)} == {False, True}
+
+
+def test_sm90_bwd_head_split_must_divide_the_group() -> None:
+    from cute_flash.hopper import bwd_config
+
+    with pytest.raises(ValueError, match="divide the group"):
+        bwd_config.head_split(_gqa_problem(32, 8), (("head_split", 3),))
+
+
 @pytest.mark.parametrize("causal,window,want", [
     (False, (-1, -1), (False, False, -1, -1)), (True, (-1, -1), (True, False, -1, 0)),
     (True, (128, -1), (False, True, 128, 0)), (False, (128, -1), (False, True, 128, -1)),

@@ -116,6 +116,29 @@ def test_flash_attn_func_matches_reference_forward_and_backward(seed, kw):
     assert_grads_close(got, ref_grads(q, k, v, dout, **kw))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, varlen):
+    """The public functions record their own autograd node in eager mode (a cheaper wrapper than
+    ``register_autograd``'s); out, lse and every gradient match the op called directly."""
+    q, k, v = qkv(nq=10, nk=10, requires_grad=True)
+    flags = (0.3, True, 3, 0, 0.0, False)
+    if varlen:
+        q, k, v = (t.detach().flatten(0, 1).requires_grad_(True) for t in (q, k, v))
+        cu = torch.tensor([0, 4, 10, 20], dtype=torch.int32)
+        args, direct = (cu, cu, 10, 10, *flags), torch.ops.cute_flash.varlen_fwd
+        eager = ops.attention_varlen_fwd
+    else:
+        args, direct, eager = flags, torch.ops.cute_flash.fwd, ops.attention_fwd
+    results = []
+    for fn in (eager, direct):
+        out, lse = fn(q, k, v, *args)
+        grads = torch.autograd.grad((out.float() * 0.5).sum() + lse.sin().sum(), (q, k, v))
+        results.append((out, lse, *grads))
+    assert eager(q, k, v, *args)[0].grad_fn.name() != direct(q, k, v, *args)[0].grad_fn.name()
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_gradient_flows_through_lse(seed):
     q, k, v = qkv(nq=11, nk=11, requires_grad=True)
     out, lse = cute_flash.flash_attn_func(q, k, v, causal=True, window_size=(5, -1), return_lse=True)

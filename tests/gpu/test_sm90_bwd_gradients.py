@@ -86,6 +86,19 @@ def test_sm90_bwd_gradients_within_twice_pytorch_error(case: tuple) -> None:
     _check_gradients(case)
 
 
+# GQA / MQA groups (4, 4, 2, 6 query heads per K/V head), narrow and wide kernels, masks, softcap.
+GQA_CASES = [c for c in GPU_CASES if c[3] != c[4]]
+
+
+@pytest.mark.parametrize("case", GQA_CASES)
+@pytest.mark.parametrize("split", ["one CTA per group", "two CTAs per group"])
+def test_sm90_bwd_gqa_group_in_one_or_two_ctas_keeps_gradients(case: tuple, split: str) -> None:
+    """The group of a K/V head looped inside one CTA (``head_split`` 1), or split over two CTAs
+    whose partial dK / dV the launcher sums; the default (one query head per CTA) is every other
+    GQA case here."""
+    _check_gradients(case, overrides=dict(head_split=1 if split.startswith("one") else 2))
+
+
 @pytest.mark.parametrize("case", [(*GPU_CASES[i][:8], (192, 128)) for i in (0, 3, 5, 7, 8, 9)])
 def test_sm90_bwd_narrow_v_gradients_within_twice_pytorch_error(case: tuple) -> None:
     """d_v != d, (192, 128): dP, dV^T and the dO / V tiles at 128, Q / K / dQ / dK at 192."""
