@@ -210,7 +210,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                 dlse=dlse is not None)
     if family == "sm90":
         p = Problem(target=None, **base, max_seqlen_q=mq, max_seqlen_k=mk, heads_q=q.shape[-2],
-                    heads_kv=k.shape[-2], num_sms=sm_count(q.device))
+                    heads_kv=k.shape[-2], batch=num_batch, num_sms=sm_count(q.device))
     else:
         p = Problem(target=jit.resolve_arch(q.device), **base)
     cfg, pre, main, post, split = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))

@@ -28,6 +28,7 @@ class Problem:
     max_seqlen_k: int | None = None
     heads_q: int = 1
     heads_kv: int = 1
+    batch: int = 1  # sequences (varlen: of the pack)
     num_sms: int = 132
     # Q in the dense (B, N, H, d) order (packed-GQA tiles were checked with that layout only).
     q_dense: bool = True

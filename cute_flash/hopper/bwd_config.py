@@ -59,8 +59,9 @@ SM90_BWD_LPT_BALANCED = True
 SM90_BWD_DET_ROTATE = (64, 96, 128, 256)
 # The rotated query-block walk, by (head dim, masked): measured faster at d = 256 non-causal.
 SM90_BWD_ROTATE_M = {(256, False)}
-# GQA / MQA: query heads per CTA in the backward where the group is split over CTAs (``head_split``).
-SM90_BWD_HEADS_PER_CTA: dict[int, int] = {}
+# GQA / MQA: a K/V head's query heads split over the fewest CTA rows (``head_split``, a divisor of
+# the group) that give the grid this many waves of CTAs (one CTA per SM), or over the whole group.
+SM90_BWD_SPLIT_MIN_WAVES = 7.5
 # Preprocess CTA size (256 measured within noise).
 SM90_BWD_PRE_THREADS = 128
 
@@ -341,8 +342,12 @@ def head_split(p: Problem, overrides: tuple = ()) -> int:
         return int(given)
     if group == 1 or not p.extents_known:
         return 1
-    per_cta = SM90_BWD_HEADS_PER_CTA.get(p.hdim, 1)
-    return group // per_cta if group % per_cta == 0 else group
+    tile_n = SM90_BWD_TILE_N[p.hdim]
+    if p.softcap:
+        tile_n = SM90_BWD_TILE_N_SOFTCAP.get(p.hdim, tile_n)
+    ctas = -(-p.max_seqlen_k // tile_n) * p.heads_kv * p.batch
+    want = SM90_BWD_SPLIT_MIN_WAVES * p.num_sms
+    return next((s for s in range(1, group + 1) if group % s == 0 and ctas * s >= want), group)
 
 
 def plan(p: Problem, overrides: tuple = ()) -> tuple[BwdPreConfig, BwdSm90Config, BwdSm90PostConfig]:

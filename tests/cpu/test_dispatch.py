@@ -257,7 +257,7 @@ def test_a_compile_only_problem_is_the_base_variant() -> None:
 def _gqa_problem(heads_q: int, heads_kv: int, known: bool = True) -> Problem:
     n = 4096 if known else None
     return Problem(target=None, dtype="bf16", hdim=128, hdim_v=128, causal=True, max_seqlen_q=n,
-                   max_seqlen_k=n, heads_q=heads_q, heads_kv=heads_kv, num_sms=132)
+                   max_seqlen_k=n, heads_q=heads_q, heads_kv=heads_kv, num_sms=132, batch=1)
 
 
 def test_sm90_bwd_splits_a_gqa_group_over_ctas() -> None:
@@ -272,6 +272,20 @@ def test_sm90_bwd_splits_a_gqa_group_over_ctas() -> None:
     # A compile-only GQA problem builds both kernels; the split one where the extents ask for it.
     variants = bwd_config.compile_variants(_gqa_problem(32, 8, known=False))
     assert {c.split_heads for c in variants if isinstance(c, BwdSm90Config)} == {False, True}
+
+
+@pytest.mark.parametrize("heads,batch,seqlen,want", [
+    ((32, 1), 2, 8192, 8),  # MQA: 128 CTA rows of key blocks -> 8 per K/V head for 1024 CTAs
+    ((32, 8), 1, 8192, 2),  # 512 -> 1024
+    ((32, 8), 1, 32768, 1),  # 2048 CTAs already
+    ((24, 8), 1, 3001, 3),  # 192 CTAs: the whole group of 3
+])
+def test_sm90_bwd_head_split_fills_the_grid_with_the_fewest_splits(heads, batch, seqlen, want) -> None:
+    from cute_flash.hopper import bwd_config
+
+    p = Problem(target=None, dtype="bf16", hdim=128, hdim_v=128, causal=True, max_seqlen_q=seqlen,
+                max_seqlen_k=seqlen, heads_q=heads[0], heads_kv=heads[1], batch=batch, num_sms=132)
+    assert bwd_config.head_split(p) == want
 
 
 def test_sm90_bwd_head_split_must_divide_the_group() -> None:

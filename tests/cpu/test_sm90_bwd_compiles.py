@@ -354,7 +354,7 @@ def test_sm90_bwd_kernels_are_built_once_per_problem(monkeypatch: pytest.MonkeyP
         forced = launch._bwd_kernels(_problem(), "sm90", (("tile_m", 64),))
         assert forced[0].tile_m == 64 and len(built) == 6
         gqa = launch._bwd_kernels(_problem(heads_kv=4), "sm90", ())
-        assert gqa[0].split_heads and gqa[-1] == 4  # (query heads per K/V head split over 4 CTAs)
+        assert gqa[0].split_heads and gqa[-1] == 4  # (4 x 32 key blocks: one query head per CTA)
         causal = _problem(causal=True, max_seqlen_q=8192, max_seqlen_k=8192)
         assert launch._bwd_kernels(causal, "sm90", ())[0].lpt_balanced
         sm80 = launch._bwd_kernels(_problem(target="sm_80", max_seqlen_q=None, max_seqlen_k=None), "sm80", ())

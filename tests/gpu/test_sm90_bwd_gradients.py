@@ -91,12 +91,13 @@ GQA_CASES = [c for c in GPU_CASES if c[3] != c[4]]
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
-@pytest.mark.parametrize("split", ["one CTA per group", "two CTAs per group"])
-def test_sm90_bwd_gqa_group_in_one_or_two_ctas_keeps_gradients(case: tuple, split: str) -> None:
-    """The group of a K/V head looped inside one CTA (``head_split`` 1), or split over two CTAs
-    whose partial dK / dV the launcher sums; the default (one query head per CTA) is every other
-    GQA case here."""
-    _check_gradients(case, overrides=dict(head_split=1 if split.startswith("one") else 2))
+@pytest.mark.parametrize("split", ["whole group in one CTA", "group over two CTAs", "one query head per CTA"])
+def test_sm90_bwd_gqa_group_split_over_ctas_keeps_gradients(case: tuple, split: str) -> None:
+    """The query heads of a K/V head looped inside one CTA (``head_split`` 1), or split over CTAs
+    whose partial dK / dV the launcher sums (two where the group is even)."""
+    group = case[3] // case[4]
+    head_split = {"whole": 1, "group": 2 if group % 2 == 0 else group, "one": group}[split.split()[0]]
+    _check_gradients(case, overrides=dict(head_split=head_split))
 
 
 @pytest.mark.parametrize("case", [(*GPU_CASES[i][:8], (192, 128)) for i in (0, 3, 5, 7, 8, 9)])
