@@ -282,7 +282,8 @@ def _setup_varlen_fwd(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None,
+                     direct: bool = False) -> tuple[Tensor | None, ...]:
     if ctx.varlen is None:
         q, k, v, out, lse = ctx.saved_tensors
     else:
@@ -296,6 +297,10 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Ten
     dout = torch.zeros_like(out) if dout is None else kernel_ready(dout)
     if dlse is not None:
         dlse = dlse.float().contiguous()
+    if direct:
+        varlen = () if ctx.varlen is None else (cu_q, cu_k, *ctx.varlen)
+        return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic, *varlen,
+                         dlse=dlse)
     flags = (scale, causal, wl, wr, softcap, deterministic, dlse)
     if ctx.varlen is None:
         return torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *flags)
@@ -316,22 +321,46 @@ fwd.register_autograd(_backward, setup_context=_setup_fwd)
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_fwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# Eager calls
+# ---------------------------------------------------------------------------------------------
+def _fwd_direct(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+
+
+def _varlen_fwd_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_left, window_right, softcap, deterministic=False):
+    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _direct(q: Tensor) -> bool:
+    """An eager call on plain CUDA tensors with no dispatch mode active: the CUDA implementation
+    runs without the dispatcher round trip (~30 us of host time, all of it on a short call's
+    critical path). torch.compile, fake or subclassed tensors, dispatch modes (flop counters,
+    selective checkpointing) and CPU tensors see the op itself."""
+    return (not torch.compiler.is_compiling() and type(q) is Tensor and q.is_cuda
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 class _EagerForward(torch.autograd.Function):
-    """A forward op under eager autograd: the same op, saved tensors and backward as its
-    ``register_autograd`` registration, at a fraction of that wrapper's host time per call (it
-    fills the schema's defaults and flattens the arguments each time: ~40-50 us, which a short
-    attention call pays in full)."""
+    """A forward under eager autograd: the op's saved tensors and backward, as its
+    ``register_autograd`` registration gives them, at a fraction of that wrapper's host time per
+    call (it fills the schema's defaults and flattens the arguments each time: ~40-50 us, which a
+    short attention call pays in full). ``impl``: the op, or its CUDA implementation (``_direct``)."""
 
     @staticmethod
-    def forward(ctx, op, setup, *inputs):
-        output = op(*inputs)
+    def forward(ctx, impl, setup, direct, q, k, v, rest):
+        # (The op's other arguments travel as one tuple: apply walks every argument per call.)
+        inputs = (q, k, v, *rest)
+        output = impl(*inputs)
         setup(ctx, inputs, output)
-        ctx.num_inputs = len(inputs)
+        ctx.direct = direct
         return output
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        return None, None, *_attention_grads(ctx, dout, dlse), *(None,) * (ctx.num_inputs - 3)
+        return None, None, None, *_attention_grads(ctx, dout, dlse, direct=ctx.direct), None
 
 
 def _needs_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -341,14 +370,18 @@ def _needs_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *flags) -> tuple[Tensor, Tensor]:
-    """``torch.ops.cute_flash.fwd``, differentiable, with the cheaper eager autograd wrapper."""
+    """``torch.ops.cute_flash.fwd``, differentiable; eager calls take the cheaper paths above."""
+    direct = _direct(q)
+    impl = _fwd_direct if direct else torch.ops.cute_flash.fwd
     if _needs_graph(q, k, v):
-        return _EagerForward.apply(torch.ops.cute_flash.fwd, _setup_fwd, q, k, v, *flags)
-    return torch.ops.cute_flash.fwd(q, k, v, *flags)
+        return _EagerForward.apply(impl, _setup_fwd, direct, q, k, v, flags)
+    return impl(q, k, v, *flags)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
-    """``torch.ops.cute_flash.varlen_fwd``, differentiable, with the cheaper eager autograd wrapper."""
+    """``torch.ops.cute_flash.varlen_fwd``, differentiable; eager calls take the cheaper paths above."""
+    direct = _direct(q)
+    impl = _varlen_fwd_direct if direct else torch.ops.cute_flash.varlen_fwd
     if _needs_graph(q, k, v):
-        return _EagerForward.apply(torch.ops.cute_flash.varlen_fwd, _setup_varlen_fwd, q, k, v, *args)
-    return torch.ops.cute_flash.varlen_fwd(q, k, v, *args)
+        return _EagerForward.apply(impl, _setup_varlen_fwd, direct, q, k, v, args)
+    return impl(q, k, v, *args)

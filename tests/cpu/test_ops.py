@@ -117,9 +117,16 @@ def test_flash_attn_func_matches_reference_forward_and_backward(seed, kw):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, varlen):
+@pytest.mark.parametrize("direct", [False, True], ids=["through the op", "without the dispatcher"])
+def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, varlen, direct, monkeypatch):
     """The public functions record their own autograd node in eager mode (a cheaper wrapper than
-    ``register_autograd``'s); out, lse and every gradient match the op called directly."""
+    ``register_autograd``'s), and on CUDA tensors call the implementations without the dispatcher
+    (here: the CPU implementations standing in for the CUDA ones); out, lse and every gradient
+    match the op called directly."""
+    if direct:
+        monkeypatch.setattr(ops, "_direct", lambda q: True)
+        monkeypatch.setattr(ops, "_fwd_cuda", ops._fwd_cpu)
+        monkeypatch.setattr(ops, "_bwd_cuda", ops._bwd_cpu)
     q, k, v = qkv(nq=10, nk=10, requires_grad=True)
     flags = (0.3, True, 3, 0, 0.0, False)
     if varlen:
@@ -137,6 +144,26 @@ def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, va
     assert eager(q, k, v, *args)[0].grad_fn.name() != direct(q, k, v, *args)[0].grad_fn.name()
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dispatch_modes_and_cpu_tensors_see_the_op_itself():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = qkv(nq=6, nk=6)
+    assert not ops._direct(q)
+    with Seen() as mode:
+        assert not ops._direct(q.to("meta"))
+        cute_flash.flash_attn_func(q, k, v)
+    assert any("cute_flash.fwd" in name for name in mode.ops)
 
 
 def test_gradient_flows_through_lse(seed):
