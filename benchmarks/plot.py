@@ -79,8 +79,10 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str, providers: list[str]
     width = 0.8 / max(len(providers), 1)
 
     widest = max(len(p) for p in problems.values())
-    fig, axes = plt.subplots(len(directions), 1, figsize=(max(8.0, 0.62 * widest + 2), 3.6 * len(directions)),
-                             squeeze=False)
+    # Rotated tick labels take height: long problem names get taller panels.
+    longest = max(len(name) for names in problems.values() for name in names)
+    fig, axes = plt.subplots(len(directions), 1, squeeze=False,
+                             figsize=(max(8.0, 0.62 * widest + 2), (2.6 + 0.055 * longest) * len(directions)))
     for ax, direction in zip(axes[:, 0], directions, strict=True):
         names = problems[direction]
         for i, p in enumerate(providers):

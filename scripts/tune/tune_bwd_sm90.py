@@ -5,7 +5,10 @@ variant checked against the default one (relative L2), so a broken variant is fl
 timed as right.
 
     python scripts/tune/tune_bwd_sm90.py [--hdim 64 128 256] [--seqlen 8192] [--causal 0 1]
-        [--variant "deterministic=1" "dq_before_dk=1,ds_stages=2" ...]
+        [--variant "deterministic=1" "dq_before_dk=1,ds_stages=2" ...] [--heads 32 8 --batch 1]
+
+``--heads H H_KV`` / ``--batch B`` leave the grid (B.N = 16k, H.d = 2048, H_KV = H) for a GQA / MQA
+problem, e.g. the query-head split of a group: ``--variant head_split=1 head_split=2``.
 """
 
 import argparse
@@ -37,16 +40,18 @@ def peer_bwd(name, q, k, v, do, causal, softcap: float = 0.0):
         assert not softcap, "SDPA has no softcap"
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = torch.nn.functional.scaled_dot_product_attention(
-                qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=causal).transpose(1, 2)
+                qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=causal,
+                enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
     return lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True)
 
 
-def forward_problem(d: int, dv: int, n: int, causal: bool) -> tuple:
-    """(q, k, v, do, out, lse) of the standard grid's problem at head dims (d, dv) and N = n (B.N =
-    16k tokens, H.d = 2048, bf16, flash-attn layout), out and lse from our forward."""
-    b, h = max(1, 16384 // n), 2048 // d
-    q, k = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v, do = (torch.randn(b, n, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+def forward_problem(d: int, dv: int, n: int, causal: bool, b: int, h: int, hkv: int) -> tuple:
+    """(q, k, v, do, out, lse) at head dims (d, dv), N = n, B = b, H = h query and hkv K/V heads
+    (bf16, flash-attn layout), out and lse from our forward."""
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, n, hkv, dv, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(b, n, h, dv, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(do)
     lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
     run_fwd(q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal, window_size=(-1, -1), softcap=0.0)
@@ -72,6 +77,9 @@ def main() -> None:
     ap.add_argument("--variant", nargs="*", default=[], help="BwdSm90Config fields, e.g. 'mask_always=1'")
     ap.add_argument("--peers", nargs="*", default=["fa4", "cudnn"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", type=int, nargs=2, default=None, metavar=("H", "H_KV"),
+                    help="query and K/V heads (default: the grid's 2048 / d, no GQA)")
+    ap.add_argument("--batch", type=int, default=0, help="batch (default: the grid's 16k / N)")
     args = ap.parse_args()
     variants = [{}] + [{k: int(x) for k, x in (kv.split("=") for kv in var.split(",") if kv)}
                        for var in args.variant]
@@ -79,8 +87,9 @@ def main() -> None:
         d, dv = (int(x) for x in spec.split("x")) if "x" in spec else (int(spec), int(spec))
         for n in args.seqlen:
             for causal in map(bool, args.causal):
-                b, h = max(1, 16384 // n), 2048 // d
-                q, k, v, do, out, lse = forward_problem(d, dv, n, causal)
+                b = args.batch or max(1, 16384 // n)
+                h, hkv = args.heads or (2048 // d, 2048 // d)
+                q, k, v, do, out, lse = forward_problem(d, dv, n, causal, b, h, hkv)
                 scale = d ** -0.5
                 flops = 2.5 * 2 * b * h * n * n * (d + dv) / (2 if causal else 1)
                 tag = f"d{spec} N{n} causal={int(causal)}"
