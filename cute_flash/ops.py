@@ -43,6 +43,8 @@ def _kernel_view(t: Tensor) -> Tensor:
     for a TMA descriptor. Such strides never address anything (validation ignores them), but the
     compiled kernels declare every stride 16-byte divisible and would refuse the tensor at the
     call boundary, and the sm90 forward encodes every stride into its TMA descriptors."""
+    if 1 not in t.shape[:-1]:
+        return t  # (the common case, decided without walking the strides)
     elem = t.element_size()
     vec = max(validate.ALIGN_BYTES // elem, 1)
     strides = list(t.stride())
