@@ -362,7 +362,10 @@ class _EagerForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        return None, None, None, *_attention_grads(ctx, dout, dlse, direct=ctx.direct), None
+        # create_graph=True: through the op, whose missing double backward then raises when
+        # reached instead of the gradients' graph being silently cut.
+        direct = ctx.direct and not torch.is_grad_enabled()
+        return None, None, None, *_attention_grads(ctx, dout, dlse, direct=direct), None
 
 
 def _needs_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:

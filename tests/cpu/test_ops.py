@@ -146,6 +146,19 @@ def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, va
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["through the op", "without the dispatcher"])
+def test_double_backward_raises_instead_of_dropping_second_order_terms(seed, direct, monkeypatch):
+    if direct:
+        monkeypatch.setattr(ops, "_direct", lambda q: True)
+        monkeypatch.setattr(ops, "_fwd_cuda", ops._fwd_cpu)
+        monkeypatch.setattr(ops, "_bwd_cuda", ops._bwd_cpu)
+    q, k, v = qkv(nq=6, nk=6, requires_grad=True)
+    out = cute_flash.flash_attn_func(q, k, v)
+    (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="cute_flash.bwd"):
+        torch.autograd.grad(dq.float().square().sum() + q.float().sum(), q)
+
+
 def test_dispatch_modes_and_cpu_tensors_see_the_op_itself():
     from torch.utils._python_dispatch import TorchDispatchMode
 
