@@ -73,28 +73,11 @@ def dense_bnhd(t: Tensor) -> bool:
     return tuple(t.stride()) == (n * h * d, h * d, d, 1)
 
 
-# Zeroed tile counters by (device, stream): one per launch, the block zeroed again (on that stream,
-# so after every launch that used it) once all are used -- a memset launch per 4096 calls rather
-# than per call (a launch costs ~8 us of host time).
-_COUNTERS: dict[tuple, list] = {}
-_COUNTER_BLOCK = 4096
-
-
 def tile_counter(cfg: jit.KernelConfig, device: torch.device) -> Tensor:
-    """The sm90 forward's tile counter: a zeroed int32 when tiles are claimed dynamically, else a
-    placeholder never read. Under CUDA-graph capture a fresh zeroed one, so each replay zeroes it."""
+    """The sm90 forward's tile counter: zeroed for this launch when tiles are claimed dynamically
+    (one int32 memset), else a placeholder never read."""
     if cfg.dynamic_tiles and cfg.num_ctas > 0 and not cfg.varlen:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(1, dtype=torch.int32, device=device)
-        key = (device, torch.cuda.current_stream(device).cuda_stream)
-        slot = _COUNTERS.get(key)
-        if slot is None:
-            slot = _COUNTERS[key] = [torch.zeros(_COUNTER_BLOCK, dtype=torch.int32, device=device), 0]
-        elif slot[1] == _COUNTER_BLOCK:
-            slot[0].zero_()
-            slot[1] = 0
-        slot[1] += 1
-        return slot[0][slot[1] - 1:slot[1]]
+        return torch.zeros(1, dtype=torch.int32, device=device)
     if device not in _PLACEHOLDER:
         _PLACEHOLDER[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _PLACEHOLDER[device]
@@ -246,7 +229,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
          float(softcap) if softcap > 0 else 0.0, left, right, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
     if split > 1:
-        # fp32 sums of the partials (a fixed order: deterministic mode holds), rounded once.
+        # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).
         for part, grad in ((dk_main, dk), (dv_main, dv)):
             torch.sum(part.unflatten(-2, (k.shape[-2], split)), dim=-2, out=grad)
 

@@ -15,6 +15,8 @@ The forward ops are differentiable through ``register_autograd``; the backward o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from cute_flash import reference, validate
@@ -301,8 +303,9 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None,
         dlse = dlse.float().contiguous()
     if direct:
         varlen = () if ctx.varlen is None else (cu_q, cu_k, *ctx.varlen)
-        return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic, *varlen,
-                         dlse=dlse)
+        with _named("cute_flash::bwd" if ctx.varlen is None else "cute_flash::varlen_bwd"):
+            return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic,
+                             *varlen, dlse=dlse)
     flags = (scale, causal, wl, wr, softcap, deterministic, dlse)
     if ctx.varlen is None:
         return torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *flags)
@@ -326,23 +329,33 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_fwd)
 # ---------------------------------------------------------------------------------------------
 # Eager calls
 # ---------------------------------------------------------------------------------------------
+def _named(name: str):
+    """The op's name on a profiler trace (a no-op context unless a profiler runs)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def _fwd_direct(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
-    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+    with _named("cute_flash::fwd"):
+        return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
 
 
 def _varlen_fwd_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        window_left, window_right, softcap, deterministic=False):
-    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    with _named("cute_flash::varlen_fwd"):
+        return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _direct(q: Tensor) -> bool:
-    """An eager call on plain CUDA tensors with no dispatch mode active: the CUDA implementation
-    runs without the dispatcher round trip (~30 us of host time, all of it on a short call's
-    critical path). torch.compile, fake or subclassed tensors, dispatch modes (flop counters,
-    selective checkpointing) and CPU tensors see the op itself."""
+    """An eager call on plain CUDA tensors with no dispatch mode or torch.func transform active:
+    the CUDA implementation runs without the dispatcher round trip (~30 us of host time, all of it
+    on a short call's critical path). torch.compile, fake or subclassed tensors, dispatch modes
+    (flop counters, selective checkpointing), vmap / functionalize and CPU tensors see the op."""
     return (not torch.compiler.is_compiling() and type(q) is Tensor and q.is_cuda
-            and torch._C._len_torch_dispatch_stack() == 0)
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 class _EagerForward(torch.autograd.Function):

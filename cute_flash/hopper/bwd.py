@@ -177,8 +177,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (self.tile_n, self.hdim))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (self.tile_n, self.hdim_v))
         num_batch, seqlen_k = warp_mma.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
-        # One CTA row per K/V head, or with ``split_heads`` per head of dK / dV: a K/V head's query
-        # heads split over several CTAs, each writing its partial dK / dV (the launcher sums them).
+        # ``split_heads``: one CTA row per partial dK / dV head (the launcher sums the partials).
         heads = mK.shape[2]
         if cutlass.const_expr(self.cfg.split_heads):
             heads = mdK.shape[2]
@@ -318,8 +317,8 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
             prev_valid = n_block + 1 < num_n
             prev_min, prev_max = block_info.m_block_min_max(seqlen, n_block + 1)
         # GQA/MQA: this CTA's query heads are [head_kv * group, (head_kv + 1) * group) (the
-        # launcher's ratio: no division at the CTA's start). ``split_heads``: ``head_kv`` indexes
-        # the partial dK / dV, and K / V are those of its K/V head.
+        # launcher's ratio). ``split_heads``: ``head_kv`` indexes the partial dK / dV; K / V are
+        # those of its K/V head (one division per CTA).
         group = args.qhead_per_kv
         kv_head = head_kv
         if cutlass.const_expr(self.cfg.split_heads):

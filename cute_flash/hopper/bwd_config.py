@@ -368,8 +368,10 @@ def plan(p: Problem, overrides: tuple = ()) -> tuple[BwdPreConfig, BwdSm90Config
     cfg = BwdSm90Config(target=p.target, **problem, **{**long_rows, **fixed})
     if det_rotate_applies(cfg, p.max_seqlen_k, p.num_sms) and "rotate_m" not in fixed:
         cfg = dataclasses.replace(cfg, rotate_m=True)
+    split = head_split(p, overrides) if cfg.split_heads else 1  # (the grid's heads, as the kernel walks them)
+    rows = p.max_seqlen_q * (p.heads_q // p.heads_kv) // split
     if (cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
-            and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):
+            and cfg.lpt_last_section_short(rows, p.heads_kv * split)):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)
     return cfg.pre(dlse=p.dlse), cfg, cfg.post()
 

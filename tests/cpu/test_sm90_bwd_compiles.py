@@ -145,6 +145,14 @@ VARIANTS = [
     # The long-sequence tile (80 query rows), with dS^T stored before or after dV's wgmma, and packed.
     BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, varlen=vl, **{**LONG_ROWS, "ds_before_dv": dsb})
     for vl, dsb in ((False, False), (False, True), (True, True))
+] + [
+    # GQA / MQA groups split over CTAs (partial dK / dV heads), narrow and wide kernels.
+    BwdSm90Config(target="sm_90a", dtype="bf16", hdim=d, hdim_v=dv, causal=c, varlen=vl, deterministic=det,
+                  split_heads=True, **kw)
+    for d, dv, c, vl, det, kw in ((64, 64, True, False, False, {}), (128, 128, True, False, False, {}),
+                                  (128, 128, True, True, True, {}),
+                                  (128, 128, False, False, False, LONG_ROWS),
+                                  (256, 256, True, False, False, {}), (192, 128, True, False, False, {}))
 ]
 VARIANTS = list(dict.fromkeys(VARIANTS))  # (an explicit switch may repeat a default)
 
@@ -156,7 +164,8 @@ def _count(ptx: str, op: str) -> int:
 def _id(cfg: BwdSm90Config) -> str:
     mode = "causal" if cfg.causal else "local" if cfg.local else "plain"
     names = ("softcap", "varlen", "deterministic", "prefetch_stats", "dq_writer_batch", "dkv_stmatrix",
-             "split_loads", "spin_waits", "lpt_balanced", "rotate_m", "mask_always", "ds_before_dv")
+             "split_loads", "spin_waits", "lpt_balanced", "rotate_m", "mask_always", "ds_before_dv",
+             "split_heads")
     flags = [f for f in names if getattr(cfg, f)]
     flags += ["dk-first"] if cfg.hdim <= 128 and not cfg.dq_before_dk else []
     flags += [f"ds-stages{cfg.ds_stages}"] if cfg.hdim <= 128 and cfg.ds_stages != cfg.stages else []
