@@ -131,7 +131,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, win
 
 
 @fwd.register_kernel("cuda")
-def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+def _fwd_cuda_kernel(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
     return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
 
 
@@ -150,8 +150,8 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
 
 
 @varlen_fwd.register_kernel("cuda")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, deterministic=False):
+def _varlen_fwd_cuda_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            causal, window_left, window_right, softcap, deterministic=False):
     return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
@@ -336,18 +336,6 @@ def _named(name: str):
     return contextlib.nullcontext()
 
 
-def _fwd_direct(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
-    with _named("cute_flash::fwd"):
-        return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
-
-
-def _varlen_fwd_direct(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       window_left, window_right, softcap, deterministic=False):
-    with _named("cute_flash::varlen_fwd"):
-        return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
-                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-
 def _direct(q: Tensor) -> bool:
     """An eager call on plain CUDA tensors with no dispatch mode or torch.func transform active:
     the CUDA implementation runs without the dispatcher round trip (~30 us of host time, all of it
@@ -362,13 +350,13 @@ class _EagerForward(torch.autograd.Function):
     """A forward under eager autograd: the op's saved tensors and backward, as its
     ``register_autograd`` registration gives them, at a fraction of that wrapper's host time per
     call (it fills the schema's defaults and flattens the arguments each time: ~40-50 us, which a
-    short attention call pays in full). ``impl``: the op, or its CUDA implementation (``_direct``)."""
+    short attention call pays in full). ``run``: the op, or its CUDA implementation (``_direct``)."""
 
     @staticmethod
-    def forward(ctx, impl, setup, direct, q, k, v, rest):
+    def forward(ctx, run, setup, direct, q, k, v, rest):
         # (The op's other arguments travel as one tuple: apply walks every argument per call.)
         inputs = (q, k, v, *rest)
-        output = impl(*inputs)
+        output = run(inputs)
         setup(ctx, inputs, output)
         ctx.direct = direct
         return output
@@ -387,19 +375,28 @@ def _needs_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *flags) -> tuple[Tensor, Tensor]:
-    """``torch.ops.cute_flash.fwd``, differentiable; eager calls take the cheaper paths above."""
+def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tuple) -> tuple[Tensor, Tensor]:
+    """``op`` on (q, k, v, *rest), differentiable: an eager CUDA call runs ``cuda_kernel`` (the op's
+    own CUDA implementation) without the dispatcher, under the op's name on profiler traces."""
     direct = _direct(q)
-    impl = _fwd_direct if direct else torch.ops.cute_flash.fwd
+
+    def run(inputs: tuple) -> tuple[Tensor, Tensor]:
+        if not direct:
+            return op(*inputs)
+        with _named(op._qualified_op_name):
+            return cuda_kernel(*inputs)
+
     if _needs_graph(q, k, v):
-        return _EagerForward.apply(impl, _setup_fwd, direct, q, k, v, flags)
-    return impl(q, k, v, *flags)
+        return _EagerForward.apply(run, setup, direct, q, k, v, rest)
+    return run((q, k, v, *rest))
+
+
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *flags) -> tuple[Tensor, Tensor]:
+    """``torch.ops.cute_flash.fwd``, differentiable, through the cheaper eager paths above."""
+    return _forward(torch.ops.cute_flash.fwd, _fwd_cuda_kernel, _setup_fwd, q, k, v, flags)
 
 
 def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
-    """``torch.ops.cute_flash.varlen_fwd``, differentiable; eager calls take the cheaper paths above."""
-    direct = _direct(q)
-    impl = _varlen_fwd_direct if direct else torch.ops.cute_flash.varlen_fwd
-    if _needs_graph(q, k, v):
-        return _EagerForward.apply(impl, _setup_varlen_fwd, direct, q, k, v, args)
-    return impl(q, k, v, *args)
+    """``torch.ops.cute_flash.varlen_fwd``, differentiable, through the cheaper eager paths above."""
+    op = torch.ops.cute_flash.varlen_fwd
+    return _forward(op, _varlen_fwd_cuda_kernel, _setup_varlen_fwd, q, k, v, args)

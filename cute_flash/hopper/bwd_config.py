@@ -66,6 +66,11 @@ SM90_BWD_SPLIT_MIN_WAVES = 7.5
 SM90_BWD_PRE_THREADS = 128
 
 
+def sm90_bwd_tile_n(hdim: int, softcap: bool) -> int:
+    """Keys per CTA of the sm90 backward at a head dim (the warpgroups' key / head-dim split)."""
+    return SM90_BWD_TILE_N_SOFTCAP.get(hdim, SM90_BWD_TILE_N[hdim]) if softcap else SM90_BWD_TILE_N[hdim]
+
+
 def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool) -> bool:
     """Whether the sm90 backward runs this problem (every head dim it compiles is GPU-checked)."""
     if hdim not in SM90_BWD_HDIMS or hdim_v not in (hdim, SM90_BWD_NARROW_V.get(hdim)):
@@ -152,9 +157,7 @@ class BwdSm90Config(jit.KernelConfig):
             if self.softcap:
                 tile_m = SM90_BWD_TILE_M_SOFTCAP.get(self.hdim, tile_m)
             object.__setattr__(self, "tile_m", tile_m)
-        tile_n = SM90_BWD_TILE_N[self.hdim]
-        if self.softcap:
-            tile_n = SM90_BWD_TILE_N_SOFTCAP.get(self.hdim, tile_n)
+        tile_n = sm90_bwd_tile_n(self.hdim, self.softcap)
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
         if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim and self.split_loads is not False
@@ -342,10 +345,7 @@ def head_split(p: Problem, overrides: tuple = ()) -> int:
         return int(given)
     if group == 1 or not p.extents_known:
         return 1
-    tile_n = SM90_BWD_TILE_N[p.hdim]
-    if p.softcap:
-        tile_n = SM90_BWD_TILE_N_SOFTCAP.get(p.hdim, tile_n)
-    ctas = -(-p.max_seqlen_k // tile_n) * p.heads_kv * p.batch
+    ctas = -(-p.max_seqlen_k // sm90_bwd_tile_n(p.hdim, p.softcap)) * p.heads_kv * p.batch
     want = SM90_BWD_SPLIT_MIN_WAVES * p.num_sms
     return next((s for s in range(1, group + 1) if group % s == 0 and ctas * s >= want), group)
 
