@@ -40,6 +40,10 @@ SM90_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (2
 SM90_PERSISTENT_UNMASKED_MAX_SEQLEN = 2048  # d <= 128
 SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN = 4096  # causal, d > 128
 SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN = 2048  # causal, d <= 64
+# d = 64 below this many query rows: the 128-row tile (two warpgroups, ping-pong) on the persistent
+# grid instead of the 192-row one -- causal always, unmasked where it pads fewer rows (N = 197:
+# 256 rows, not 384).
+SM90_SHORT_D64_MAX_SEQLEN = 2048
 
 
 def sm90_tile(d: int, masked: bool) -> tuple[int, int, int, int, bool]:
@@ -172,6 +176,9 @@ def launch_fields(p: Problem) -> dict:
         # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so each
         # K/V block is read once per KV head, and the tile is not mostly empty rows.
         fields["pack_gqa"] = pack
+    elif tile_m == 192 and not p.local and p.max_seqlen_q < SM90_SHORT_D64_MAX_SEQLEN and (
+            p.causal or -(-p.max_seqlen_q // 128) * 128 < -(-p.max_seqlen_q // 192) * 192):
+        return dict(tile_m=128, num_mma_wg=2, pingpong=True, num_ctas=p.num_sms, dynamic_tiles=p.causal)
     if p.local or (p.causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN):
         return fields
     if p.causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):

@@ -218,11 +218,26 @@ def test_sm90_persistent_grid_is_chosen_where_it_measured_faster() -> None:
         return cfg.num_ctas, cfg.dynamic_tiles
 
     assert grid(16384, 128, causal=True) == grid(1024, 128, causal=True) == (132, True)
-    assert grid(2048, 64, causal=True) == (132, True) and grid(1024, 64, causal=True) == (0, False)
+    assert grid(2048, 64, causal=True) == (132, True) and grid(1024, 64, causal=True) == (132, True)
     assert grid(4096, 256, causal=True) == (132, True) and grid(8192, 256, causal=True) == (0, False)
     assert grid(2048, 128) == (132, False) and grid(4096, 128) == (0, False) and grid(2048, 256) == (0, False)
     assert grid(1024, 128, local=True) == (0, False)
     assert grid(1024, 128, causal=True, varlen=True) == (0, False)
+
+
+def test_sm90_short_d64_takes_the_128_row_tile_where_it_pads_less() -> None:
+    """d = 64 below 2k query rows: 128-row tiles on the persistent grid, causal always, unmasked
+    where fewer rows are padded than with the 192-row tile; longer sequences, windows and packed
+    GQA keep the 192-row tile."""
+    def tile(n: int, **kw) -> tuple:
+        cfg = _fwd_plan(n, 64, **kw)
+        return cfg.tile_m, cfg.num_mma_wg, cfg.num_ctas, cfg.dynamic_tiles
+
+    assert tile(1000, causal=True) == (128, 2, 132, True)
+    assert tile(197) == (128, 2, 132, False)  # 256 padded rows instead of 384
+    assert tile(257)[0] == tile(1101)[0] == 192  # the same rows either way
+    assert tile(4429)[0] == tile(2048, causal=True)[0] == tile(197, local=True)[0] == 192
+    assert _fwd_plan(4096, 64, nq=1, heads=(12, 4)).tile_m == 192  # packed GQA
 
 
 def test_sm90_packs_gqa_heads_when_the_query_group_fits_one_tile() -> None:

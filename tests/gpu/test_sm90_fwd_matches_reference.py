@@ -139,3 +139,19 @@ PERSISTENT_CASES = [
 def test_sm90_persistent_grid_matches_reference_on_hopper(case: tuple) -> None:
     problem, pack, num_ctas, *dynamic = case
     _check_on_hopper(problem, pack, num_ctas=num_ctas, dynamic_tiles=bool(dynamic and dynamic[0]))
+
+
+# d = 64 short sequences on the 128-row ping-pong tile and the persistent grid (the launch rule's
+# choice below 2k query rows): causal with atomic claims, bottom-right causal, unmasked, GQA.
+SHORT_D64_CASES = [
+    ((2, 1000, 1000, 4, 2, 64, True, (-1, -1), 0.0, False, True), True),
+    ((1, 517, 333, 4, 4, 64, True, (-1, -1), 0.0, False, True), True),
+    ((3, 197, 197, 4, 4, 64, False, (-1, -1), 0.0, False, True), False),
+]
+
+
+@pytest.mark.parametrize("case", SHORT_D64_CASES)
+def test_sm90_short_d64_tile_matches_reference_on_hopper(case: tuple) -> None:
+    problem, dynamic = case
+    _check_on_hopper(problem, num_ctas=132, dynamic_tiles=dynamic, tile_m=128, num_mma_wg=2)
+
