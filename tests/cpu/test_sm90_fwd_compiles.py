@@ -67,6 +67,9 @@ VARIANTS = [
                   dynamic_tiles=True),
     FwdSm90Config(target="sm_90a", dtype="bf16", hdim=256, hdim_v=256, causal=True, num_ctas=132,
                   dynamic_tiles=True),
+    # d = 64 short sequences: the 128-row ping-pong tile on the persistent grid.
+    FwdSm90Config(target="sm_90a", dtype="bf16", hdim=64, hdim_v=64, causal=True, tile_m=128, num_mma_wg=2,
+                  pingpong=True, num_ctas=132, dynamic_tiles=True),
 ]
 
 VARIANTS = list(dict.fromkeys(VARIANTS))  # (the explicit switches above may repeat a default)
