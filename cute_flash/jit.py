@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+
+from cute_flash import disk_cache
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -142,13 +144,33 @@ def compile_kernel(cfg: KernelConfig, keep: bool = False) -> Any:
     with _lock:
         fn = _cache.get(cfg)
         if fn is None or (keep and not getattr(fn, "_cf_keep", False)):
-            fn = cute.compile(cfg.build(), *cfg.fake_args(), options=_options(cfg, keep))
+            key = None if keep or not disk_cache.enabled() else _disk_key(cfg)
+            if key is None:
+                fn = _compile(cfg, keep)
+            else:
+                fn = disk_cache.fetch_or_compile(key, lambda: _compile(cfg, keep))
             try:
                 fn._cf_keep = keep
             except AttributeError:
                 pass
             _cache[cfg] = fn
     return fn
+
+
+def _compile(cfg: KernelConfig, keep: bool) -> Any:
+    return cute.compile(cfg.build(), *cfg.fake_args(), options=_options(cfg, keep))
+
+
+def _disk_key(cfg: KernelConfig) -> str | None:
+    """The on-disk cache key of ``cfg``: its class and fields with the compile target resolved (a
+    launch on an H100 and a compile-only warm-up for sm_90a share entries); None if a field has no
+    stable text form."""
+    values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["target"] = cfg.target or resolve_arch()
+    text = ", ".join(f"{name}={value!r}" for name, value in values.items())
+    if " at 0x" in text:
+        return None
+    return f"{type(cfg).__module__}.{type(cfg).__qualname__}({text})"
 
 
 def compile_artifacts(cfg: KernelConfig) -> tuple[str, bytes]:

@@ -5,6 +5,8 @@ set -uo pipefail
 n=$1 logdir=$2
 shift 2
 rm -rf "$logdir" && mkdir -p "$logdir"
+# One compile cache for all shards (a variant compiled by one is loaded by the others).
+export CUTE_FLASH_CACHE=1 CUTE_FLASH_CACHE_DIR="${CUTE_FLASH_CACHE_DIR:-$logdir/compile_cache}"
 python -m pytest -q -m gpu --collect-only "$@" 2>/dev/null | grep "::" > "$logdir/ids.txt"
 split -n "r/$n" -d "$logdir/ids.txt" "$logdir/shard_"
 pids=()

@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Tests compile what they check: the on-disk compile cache stays off unless a test (or the caller,
+# e.g. scripts/gpu_tests.sh sharing compiles between its shards) turns it on.
+os.environ.setdefault("CUTE_FLASH_CACHE", "0")
+
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))

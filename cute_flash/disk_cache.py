@@ -1,0 +1,213 @@
+"""Compiled kernels on disk, so a second process (another rank, a restarted job) loads a variant in
+milliseconds instead of compiling it again.
+
+An entry is the object file the DSL exports for one compiled variant (TVM-FFI host code and the
+cubin), framed with a magic word and the SHA-256 of its body. It is keyed by the variant's config,
+the compile target, the DSL / TVM-FFI / Python versions and a hash of this package's sources, so
+a change to any of them misses instead of loading stale code. Entries are written to a private
+temporary name and renamed into place (readers see a whole entry or none); an entry that fails
+its digest or does not load is compiled again and replaced. While one process compiles a
+variant, others that want the same one wait on an advisory lock and then load it.
+
+``CUTE_FLASH_CACHE_DIR`` moves the cache (default: ``$XDG_CACHE_HOME/cute_flash`` or
+``~/.cache/cute_flash``); ``CUTE_FLASH_CACHE=0`` turns it off. Both are read at every lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "CUTE_FLASH_CACHE"
+CACHE_DIR_ENV = "CUTE_FLASH_CACHE_DIR"
+MAGIC = b"CUTEFLK1"
+_DIGEST = 32
+_FUNCTION = "func"
+# Longer than any one compile: past it a waiter compiles the variant itself.
+LOCK_TIMEOUT_S = 600.0
+
+_fingerprint: str | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_root() -> Path:
+    """The cache directory (entries sit one level down, in a folder per source fingerprint)."""
+    given = os.environ.get(CACHE_DIR_ENV)
+    if given:
+        return Path(given).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cute_flash"
+
+
+def source_fingerprint() -> str:
+    """Hash of everything that shapes a compiled kernel: this package's Python sources and the
+    versions of Python, the DSL and TVM-FFI (computed once per process)."""
+    global _fingerprint
+    if _fingerprint is None:
+        import cutlass
+        import tvm_ffi
+
+        h = hashlib.sha256()
+        h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+        h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
+        root = Path(__file__).resolve().parent
+        for src in sorted(root.rglob("*.py")):
+            body = src.read_bytes()
+            h.update(src.relative_to(root).as_posix().encode() + len(body).to_bytes(8, "little") + body)
+        _fingerprint = h.hexdigest()[:20]
+    return _fingerprint
+
+
+def entry_path(key: str) -> Path:
+    """Where the entry of config key ``key`` (its repr, with the compile target resolved) lives."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+    return cache_root() / source_fingerprint() / f"{digest}.cfk"
+
+
+def load(path: Path) -> Any | None:
+    """The compiled function of the entry at ``path``, or None where there is none or it is bad."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(MAGIC) + _DIGEST
+    body = blob[head:]
+    if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(body).digest() != blob[len(MAGIC):head] or not body:
+        return None
+    try:
+        return _load_object(body)
+    except Exception:  # an entry this DSL cannot link: a miss, compiled and replaced
+        return None
+
+
+def _load_object(body: bytes) -> Any:
+    import cutlass.cute as cute
+
+    # The loader reads a path; an anonymous in-memory file keeps the cache folder untouched.
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("cute_flash_kernel")
+        try:
+            os.write(fd, body)
+            return getattr(cute.runtime.load_module(f"/proc/self/fd/{fd}", enable_tvm_ffi=True), _FUNCTION)
+        finally:
+            os.close(fd)
+    with tempfile.NamedTemporaryFile(suffix=".o") as f:
+        f.write(body)
+        f.flush()
+        return getattr(cute.runtime.load_module(f.name, enable_tvm_ffi=True), _FUNCTION)
+
+
+def store(path: Path, compiled: Any) -> bool:
+    """Write ``compiled`` (a DSL-compiled function) as the entry at ``path``; False where the cache
+    folder is not writable (the kernel still runs, it is compiled again next process)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        _warn_once("unwritable", f"cute_flash: compile cache {path.parent} is not writable ({err}); kernels "
+                   f"are compiled in every process (set {CACHE_DIR_ENV}, or {CACHE_ENV}=0)")
+        return False
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        compiled.export_to_c(object_file_path=obj, function_name=_FUNCTION)
+        body = Path(obj).read_bytes()
+        if not body:
+            raise OSError("empty object file")
+        Path(tmp).write_bytes(MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)
+        return True
+    except Exception as err:  # a full disk, a killed export: no entry rather than a partial one
+        _warn_once("write", f"cute_flash: could not write compile cache entry {path} ({type(err).__name__}: "
+                   f"{err})")
+        return False
+    finally:
+        for leftover in (tmp, obj):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+
+
+def fetch_or_compile(key: str, compile_fn: Callable[[], Any]) -> Any:
+    """The cached function for ``key``, else ``compile_fn()`` stored under it. Processes that want
+    the same missing entry compile it once: the others wait for the first one's lock, then load."""
+    path = entry_path(key)
+    fn = load(path)
+    if fn is not None:
+        return fn
+    with _locked(path.with_suffix(".lock")):
+        fn = load(path)
+        if fn is not None:
+            return fn
+        compiled = compile_fn()
+        store(path, compiled)
+        return compiled
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks here: concurrent compiles are wasted work, still safe
+        yield
+        return
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break  # (a holder stuck past any compile time: compile without the lock)
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock; a process that dies releases it too)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def entries() -> list[Path]:
+    """Every entry under the cache folder, of any source fingerprint."""
+    root = cache_root()
+    return sorted(root.glob("*/*.cfk")) if root.is_dir() else []
+
+
+def clear() -> int:
+    """Remove every entry and lock file; returns how many entries went."""
+    root = cache_root()
+    if not root.is_dir():
+        return 0
+    gone = 0
+    for p in [*root.glob("*/*.cfk"), *root.glob("*/*.lock"), *root.glob("*/.*.tmp*")]:
+        with contextlib.suppress(OSError):
+            p.unlink()
+            gone += p.suffix == ".cfk"
+    for d in root.glob("*"):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    return gone

@@ -1,0 +1,167 @@
+"""The on-disk compile cache (``cute_flash/disk_cache.py``): a second process loads what the first
+compiled, and a bad, stale or concurrently written entry never becomes a crash or a wrong kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cute_flash import disk_cache, jit
+from cute_flash.hopper.bwd_config import BwdSm90PostConfig
+
+# A small kernel (the sm90 backward's dQ conversion): compiles in well under a second.
+CFG = BwdSm90PostConfig(target="sm_90a", dtype="bf16", hdim=64, tile_m=64, varlen=False)
+OTHER = BwdSm90PostConfig(target="sm_90a", dtype="fp16", hdim=128, tile_m=64, varlen=True)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(disk_cache.CACHE_ENV, "1")
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(jit, "_cache", {})
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every real compile, recorded (the cache's hits never reach the compiler)."""
+    seen: list = []
+    real = jit._compile
+
+    def counting(cfg, keep):
+        seen.append(cfg)
+        return real(cfg, keep)
+
+    monkeypatch.setattr(jit, "_compile", counting)
+    return seen
+
+
+def _fresh_process_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "_cache", {})
+
+
+def test_a_compiled_variant_is_loaded_from_disk_by_the_next_process(cache_dir, compiles, monkeypatch) -> None:
+    fn = jit.compile_kernel(CFG)
+    assert len(compiles) == 1 and callable(fn)
+    assert [p.suffix for p in disk_cache.entries()] == [".cfk"]
+    _fresh_process_cache(monkeypatch)
+    loaded = jit.compile_kernel(CFG)
+    assert len(compiles) == 1, "a cached variant was compiled again"
+    assert callable(loaded) and loaded is not fn
+    assert jit.compile_kernel(CFG) is loaded  # (then held in memory)
+
+
+def test_variants_and_targets_have_their_own_entries(cache_dir, compiles, monkeypatch) -> None:
+    jit.compile_kernel(CFG)
+    jit.compile_kernel(OTHER)
+    assert len(disk_cache.entries()) == 2
+    # A config with no target (the current device) shares the entry of its resolved target.
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_90a")
+    assert jit._disk_key(CFG) == jit._disk_key(BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64,
+                                                                 varlen=False))
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_80")
+    assert jit._disk_key(CFG) != jit._disk_key(BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64,
+                                                                 varlen=False))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage_with_a_valid_digest", "wrong_magic"])
+def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir, compiles, monkeypatch, damage) -> None:
+    import hashlib
+
+    jit.compile_kernel(CFG)
+    (entry,) = disk_cache.entries()
+    blob = entry.read_bytes()
+    if damage == "truncated":
+        entry.write_bytes(blob[: len(blob) // 2])
+    elif damage == "empty":
+        entry.write_bytes(b"")
+    elif damage == "garbage_with_a_valid_digest":
+        body = os.urandom(4096)
+        entry.write_bytes(disk_cache.MAGIC + hashlib.sha256(body).digest() + body)
+    else:
+        entry.write_bytes(b"XXXXXXXX" + blob[8:])
+    _fresh_process_cache(monkeypatch)
+    assert callable(jit.compile_kernel(CFG))
+    assert len(compiles) == 2, "a damaged entry must be compiled again"
+    assert entry.read_bytes() == blob or disk_cache.load(entry) is not None, "the entry was not replaced"
+    _fresh_process_cache(monkeypatch)
+    jit.compile_kernel(CFG)
+    assert len(compiles) == 2, "the replaced entry did not load"
+
+
+def test_a_dsl_version_change_misses_instead_of_loading_stale_code(cache_dir, compiles, monkeypatch) -> None:
+    import cutlass
+
+    jit.compile_kernel(CFG)
+    first = disk_cache.entry_path(jit._disk_key(CFG))
+    monkeypatch.setattr(cutlass, "__version__", cutlass.__version__ + ".post99")
+    monkeypatch.setattr(disk_cache, "_fingerprint", None)
+    _fresh_process_cache(monkeypatch)
+    jit.compile_kernel(CFG)
+    assert len(compiles) == 2
+    assert disk_cache.entry_path(jit._disk_key(CFG)) != first
+    assert len(disk_cache.entries()) == 2
+
+
+def test_the_cache_can_be_turned_off(cache_dir, compiles, monkeypatch) -> None:
+    monkeypatch.setenv(disk_cache.CACHE_ENV, "0")
+    jit.compile_kernel(CFG)
+    _fresh_process_cache(monkeypatch)
+    jit.compile_kernel(CFG)
+    assert len(compiles) == 2
+    assert not cache_dir.exists()
+
+
+def test_an_unwritable_cache_folder_warns_and_still_compiles(tmp_path, compiles, monkeypatch) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(disk_cache.CACHE_ENV, "1")
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(blocker / "cache"))
+    monkeypatch.setattr(jit, "_cache", {})
+    monkeypatch.setattr(disk_cache, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        assert callable(jit.compile_kernel(CFG))
+    assert len(compiles) == 1
+
+
+def test_kept_artifacts_bypass_the_cache(cache_dir, compiles) -> None:
+    ptx, cubin = jit.compile_artifacts(CFG)
+    assert "ld.global" in ptx or "st.global" in ptx
+    assert isinstance(cubin, bytes)
+    assert not disk_cache.entries()
+
+
+_WORKER = textwrap.dedent("""
+    import json, sys
+    from cute_flash import jit
+    from cute_flash.hopper.bwd_config import BwdSm90PostConfig
+    compiled = []
+    real = jit._compile
+    jit._compile = lambda cfg, keep: (compiled.append(repr(cfg)), real(cfg, keep))[1]
+    for dtype, hdim in (("bf16", 64), ("fp16", 128)):
+        fn = jit.compile_kernel(BwdSm90PostConfig(target="sm_90a", dtype=dtype, hdim=hdim, tile_m=64, varlen=False))
+        assert callable(fn)
+    print(json.dumps(compiled))
+""")
+
+
+@pytest.mark.slow
+def test_eight_processes_filling_the_cache_at_once_compile_each_variant_once(tmp_path) -> None:
+    env = dict(os.environ, CUTE_FLASH_CACHE="1", CUTE_FLASH_CACHE_DIR=str(tmp_path / "cache"),
+               CUTE_FLASH_ARCH="sm_90a")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    compiled = [c for out, _ in outs for c in json.loads(out.strip().splitlines()[-1])]
+    assert len(compiled) == 2, f"each variant should compile in one process only, got {compiled}"
+    entries = sorted((tmp_path / "cache").glob("*/*.cfk"))
+    assert len(entries) == 2 and all(disk_cache.load(e) is not None for e in entries)
+    assert not list((tmp_path / "cache").glob("*/.*")), "temporary files left behind"
