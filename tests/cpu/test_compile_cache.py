@@ -62,12 +62,11 @@ def test_variants_and_targets_have_their_own_entries(cache_dir, compiles, monkey
     jit.compile_kernel(OTHER)
     assert len(disk_cache.entries()) == 2
     # A config with no target (the current device) shares the entry of its resolved target.
+    on_device = BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64, varlen=False)
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_90a")
-    assert jit._disk_key(CFG) == jit._disk_key(BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64,
-                                                                 varlen=False))
+    assert jit._disk_key(CFG) == jit._disk_key(on_device)
     monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_80")
-    assert jit._disk_key(CFG) != jit._disk_key(BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64,
-                                                                 varlen=False))
+    assert jit._disk_key(CFG) != jit._disk_key(on_device)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage_with_a_valid_digest", "wrong_magic"])
@@ -145,8 +144,8 @@ _WORKER = textwrap.dedent("""
     real = jit._compile
     jit._compile = lambda cfg, keep: (compiled.append(repr(cfg)), real(cfg, keep))[1]
     for dtype, hdim in (("bf16", 64), ("fp16", 128)):
-        fn = jit.compile_kernel(BwdSm90PostConfig(target="sm_90a", dtype=dtype, hdim=hdim, tile_m=64, varlen=False))
-        assert callable(fn)
+        cfg = BwdSm90PostConfig(target="sm_90a", dtype=dtype, hdim=hdim, tile_m=64, varlen=False)
+        assert callable(jit.compile_kernel(cfg))
     print(json.dumps(compiled))
 """)
 
@@ -158,7 +157,7 @@ def test_eight_processes_filling_the_cache_at_once_compile_each_variant_once(tmp
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(8)]
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
     compiled = [c for out, _ in outs for c in json.loads(out.strip().splitlines()[-1])]
     assert len(compiled) == 2, f"each variant should compile in one process only, got {compiled}"
