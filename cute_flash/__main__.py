@@ -24,7 +24,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "against SDPA-cuDNN and flash-attn-4 (when installed), fwd and bwd. Without one: compile "
                     "the forward and backward for sm_80 and sm_90a and print registers, spills, smem and "
                     "the key instructions. "
-                    "Subcommand: 'inspect' (see 'python -m cute_flash inspect -h').")
+                    "Subcommands: 'inspect' (one variant's PTX / SASS), 'warmup' (compile a model's variants "
+                    "into the disk cache ahead of time), 'cache' (where it is, --clear); each takes -h.")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
@@ -302,6 +303,24 @@ def _gpu_main(args: argparse.Namespace) -> int:
     return 0 if ok_all else 1
 
 
+def _cache_main(argv: list[str]) -> int:
+    from cute_flash import disk_cache
+
+    p = argparse.ArgumentParser(prog="python -m cute_flash cache",
+                                description="The compile cache: where, how much (--clear: empty it).")
+    p.add_argument("--clear", action="store_true")
+    args = p.parse_args(argv)
+    if args.clear:
+        print(f"removed {disk_cache.clear()} entries from {disk_cache.cache_root()}")
+        return 0
+    entries = disk_cache.entries()
+    size = sum(e.stat().st_size for e in entries)
+    state = "on" if disk_cache.enabled() else f"off ({disk_cache.CACHE_ENV}=0)"
+    print(f"{disk_cache.cache_root()}: {len(entries)} compiled kernels, {size / 2**20:.1f} MiB; "
+          f"cache {state}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "inspect":
@@ -312,6 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                                                 "PTX/SASS instruction mix, registers, spills and smem.")
         ins.add_arguments(p)
         return ins.main(p.parse_args(argv[1:]))
+    if argv and argv[0] == "warmup":
+        from cute_flash.tools import warmup
+
+        p = argparse.ArgumentParser(prog="python -m cute_flash warmup",
+                                    description="Compile the kernel variants a model will launch into the "
+                                                "on-disk compile cache, ahead of time (no GPU needed with "
+                                                "--arch).")
+        warmup.add_arguments(p)
+        return warmup.main(p.parse_args(argv[1:]))
+    if argv and argv[0] == "cache":
+        return _cache_main(argv[1:])
     args = _build_parser().parse_args(argv)
     import torch
 

@@ -96,6 +96,32 @@ def _check_family(family: str) -> None:
         raise ValueError(f"kernel family must be one of {FAMILIES}, got {family!r}")
 
 
+def fwd_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, softcap: bool, varlen: bool,
+                seqlen_q: int | None, seqlen_k: int | None, heads_q: int, heads_kv: int, num_sms: int,
+                q_dense: bool = True, target: str | None = None) -> Problem:
+    """The forward problem of a call as its plan reads it. Packed sequences plan without extents
+    (their lengths are on the device; the plan must hold for any of them), as does a call whose
+    ``seqlen_q`` is None."""
+    known = not varlen and seqlen_q is not None
+    return Problem(target=target, dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local,
+                   softcap=softcap, varlen=varlen, max_seqlen_q=seqlen_q if known else None,
+                   max_seqlen_k=seqlen_k if known else None, heads_q=heads_q, heads_kv=heads_kv,
+                   num_sms=num_sms if known else 132, q_dense=q_dense and known)
+
+
+def bwd_problem(family: str, target: str, dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool,
+                softcap: bool, varlen: bool, deterministic: bool, dlse: bool, seqlen_q: int, seqlen_k: int,
+                heads_q: int, heads_kv: int, batch: int, num_sms: int) -> Problem:
+    """The backward problem of a call: the sm90 plan reads the extents (head split, grid order),
+    the sm80 one does not. ``target``: the resolved compile target (the sm80 configs carry it)."""
+    base = dict(dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local, softcap=softcap,
+                varlen=varlen, deterministic=deterministic, dlse=dlse)
+    if family == "sm90":
+        return Problem(target=None, **base, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, heads_q=heads_q,
+                       heads_kv=heads_kv, batch=batch, num_sms=num_sms)
+    return Problem(target=target, **base)
+
+
 def fwd_config(p: Problem, family: str) -> jit.KernelConfig:
     """The forward kernel of ``family`` for problem ``p``."""
     _check_family(family)

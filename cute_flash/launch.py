@@ -97,14 +97,15 @@ def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, so
            causal, local, softcap > 0.0, varlen)
     hit = _FWD_KERNELS.get(key)
     if hit is None:
+        # (CPU tensors faking a launch in tests: planned without extents.)
         dense_cuda = not varlen and q.device.type == "cuda"
-        p = Problem(target=None, dtype=formats.dtype_name(q.dtype), hdim=q.shape[-1], hdim_v=v.shape[-1],
-                    causal=causal, local=local, softcap=softcap > 0.0, varlen=varlen,
-                    max_seqlen_q=q.shape[1] if dense_cuda else None,
-                    max_seqlen_k=v.shape[1] if dense_cuda else None,
-                    heads_q=q.shape[-2], heads_kv=v.shape[-2],
-                    num_sms=sm_count(q.device) if dense_cuda else 132,
-                    q_dense=dense_cuda and dense_bnhd(q))
+        p = dispatch.fwd_problem(formats.dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal=causal,
+                                 local=local, softcap=softcap > 0.0, varlen=varlen,
+                                 seqlen_q=q.shape[1] if dense_cuda else None,
+                                 seqlen_k=v.shape[1] if dense_cuda else None,
+                                 heads_q=q.shape[-2], heads_kv=v.shape[-2],
+                                 num_sms=sm_count(q.device) if dense_cuda else 132,
+                                 q_dense=dense_cuda and dense_bnhd(q))
         cfg = dispatch.fwd_config(p, family)
         hit = (cfg, jit.compile_kernel(cfg))
         _FWD_KERNELS.put(key, hit)
@@ -205,14 +206,13 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         return
     if family is None:
         family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0)
-    base = dict(dtype=formats.dtype_name(q.dtype), hdim=q.shape[-1], hdim_v=v.shape[-1], causal=causal,
-                local=local, softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
-                dlse=dlse is not None)
-    if family == "sm90":
-        p = Problem(target=None, **base, max_seqlen_q=mq, max_seqlen_k=mk, heads_q=q.shape[-2],
-                    heads_kv=k.shape[-2], batch=num_batch, num_sms=sm_count(q.device))
-    else:
-        p = Problem(target=jit.resolve_arch(q.device), **base)
+    target = jit.resolve_arch(q.device) if family != "sm90" else None
+    p = dispatch.bwd_problem(family, target, formats.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
+                             causal=causal, local=local,
+                             softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
+                             dlse=dlse is not None, seqlen_q=mq, seqlen_k=mk, heads_q=q.shape[-2],
+                             heads_kv=k.shape[-2], batch=num_batch,
+                             num_sms=sm_count(q.device) if family == "sm90" else 132)
     cfg, pre, main, post, split = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
     if family == "sm80":
         need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)

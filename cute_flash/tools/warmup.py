@@ -1,0 +1,242 @@
+"""``python -m cute_flash warmup``: compile ahead of time, into the on-disk compile cache, the kernel
+variants a model's attention calls will launch, so that a job's first step loads them instead.
+
+The variants come from the launch path's own plans (``dispatch``): each attention spec (head dims,
+heads, dtype, masks) is planned over a sweep of sequence lengths and batch sizes, because a plan
+picks tiles and grids from the extents (a persistent grid for short causal sequences, packed GQA
+for decode, the query-head split of the backward). Without a GPU, name the architecture
+(``--arch sm_90a``) and its SM count (``--num-sms``, default 132: H100 SXM / H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cute_flash import disk_cache, dispatch, jit
+
+# The plans' thresholds fall anywhere, so the sweep is dense (planning is host arithmetic, ~0.1 s a
+# spec): query = key lengths of training and prefill in steps of ~8% from 1 to 128k, (query, key)
+# pairs of decode and chunked prefill, and batch sizes in steps of ~20% up to 256.
+SEQLENS = tuple(sorted({round(1.08 ** i) for i in range(156)}))
+DECODE = tuple((nq, nk) for nq in SEQLENS if nq <= 4096 for nk in (1024, 4096, 32768, 131072) if nq < nk)
+BATCHES = tuple(sorted({round(1.2 ** i) for i in range(31)}))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One kind of attention call a model makes."""
+
+    hdim: int
+    heads_q: int
+    heads_kv: int
+    hdim_v: int | None = None
+    dtype: str = "bf16"
+    causal: bool = True
+    window: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    backward: bool = True
+    deterministic: bool = False
+
+    def label(self) -> str:
+        flags = [f for f in ("causal", "window", "softcap", "varlen", "deterministic") if getattr(self, f)]
+        dv = "" if self.hdim_v in (None, self.hdim) else f"x{self.hdim_v}"
+        return f"{self.dtype} d{self.hdim}{dv} {self.heads_q}/{self.heads_kv} heads {' '.join(flags)}".strip()
+
+
+def specs_from_model_config(config: dict, dtype: str | None = None, backward: bool = True,
+                            padded: bool = True) -> list[AttentionSpec]:
+    """The attention specs of a Hugging Face decoder config (``config.json`` as a dict): GQA heads,
+    head dim, softcap, and a windowed spec for sliding-window layers. ``padded``: also the packed
+    (varlen) variants that padded batches go through."""
+    c = config.get("text_config") or config
+    heads = int(c["num_attention_heads"])
+    hdim = int(c.get("head_dim") or c["hidden_size"] // heads)
+    heads_kv = int(c.get("num_key_value_heads") or heads)
+    softcap = bool(c.get("attn_logit_softcapping"))
+    window = c.get("sliding_window")
+    kinds = set(c.get("layer_types") or [])
+    if not window or c.get("use_sliding_window") is False:
+        windows = [False]
+    elif kinds:
+        windows = sorted({k == "sliding_attention" for k in kinds & {"sliding_attention", "full_attention"}})
+    else:
+        windows = [False, True]  # (which layers slide is not in the file: both)
+    if dtype is None:
+        named = str(c.get("dtype") or c.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+        dtype = "fp16" if "float16" in named and "bfloat16" not in named else "bf16"
+    return [AttentionSpec(hdim=hdim, heads_q=heads, heads_kv=heads_kv, dtype=dtype, window=w, softcap=softcap,
+                          varlen=varlen, backward=backward)
+            for w in windows or [False] for varlen in ((False, True) if padded else (False,))]
+
+
+def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[int, ...] = SEQLENS,
+                 batches: tuple[int, ...] = BATCHES, decode: bool = True) -> list[jit.KernelConfig]:
+    """Every kernel config the launchers would run for ``spec`` over the sweep, for target ``arch``."""
+    dv = spec.hdim if spec.hdim_v is None else spec.hdim_v
+    fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
+    bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
+    masks = dict(causal=spec.causal, local=spec.window, softcap=spec.softcap, varlen=spec.varlen)
+    pairs = [(n, n) for n in seqlens] + (list(DECODE) if decode and not spec.varlen else [])
+    out: dict[jit.KernelConfig, None] = {}
+    for nq, nk in pairs:
+        p = dispatch.fwd_problem(spec.dtype, spec.hdim, dv, **masks, seqlen_q=nq, seqlen_k=nk,
+                                 heads_q=spec.heads_q, heads_kv=spec.heads_kv, num_sms=num_sms, target=arch)
+        out[dispatch.fwd_config(p, fwd_family)] = None
+        if bwd_family is None or nq != nk:
+            continue
+        for batch in batches:
+            p = dispatch.bwd_problem(bwd_family, arch, spec.dtype, spec.hdim, dv, **masks,
+                                     deterministic=spec.deterministic, dlse=False, seqlen_q=nq, seqlen_k=nk,
+                                     heads_q=spec.heads_q, heads_kv=spec.heads_kv, batch=batch,
+                                     num_sms=num_sms)
+            out.update(dict.fromkeys(dispatch.bwd_configs(p, bwd_family)))
+    return list(dict.fromkeys(replace(c, target=arch) for c in out))
+
+
+def _compile_one(cfg: jit.KernelConfig) -> tuple[str, float, bool]:
+    """(label, seconds, whether it was compiled rather than already cached), in a worker process."""
+    compiled = []
+    real = jit._compile
+
+    def counting(c: jit.KernelConfig, keep: bool):
+        compiled.append(c)
+        return real(c, keep)
+
+    jit._compile = counting
+    t0 = time.perf_counter()
+    jit.compile_kernel(cfg)
+    return cfg.describe(), time.perf_counter() - t0, bool(compiled)
+
+
+def warm(configs: list[jit.KernelConfig], workers: int,
+         progress: bool = True) -> list[tuple[str, float, bool]]:
+    """Compile ``configs`` into the disk cache in ``workers`` processes; (label, s, compiled) each."""
+    if not disk_cache.enabled():
+        raise RuntimeError(f"the compile cache is off ({disk_cache.CACHE_ENV}=0): a warm-up would be lost")
+    results: list[tuple[str, float, bool]] = []
+    bar = _progress(len(configs)) if progress else None
+    if workers <= 1:
+        for cfg in configs:
+            results.append(_compile_one(cfg))
+            bar and bar.update(1)
+    else:
+        # spawn, not fork: the parent may already hold an MLIR context and its threads.
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for fut in as_completed([pool.submit(_compile_one, cfg) for cfg in configs]):
+                results.append(fut.result())
+                bar and bar.update(1)
+    bar and bar.close()
+    return results
+
+
+class _Counter:
+    """A progress line on stderr where tqdm is not installed."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        print(f"\rcompiled {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Counter(total)
+    return tqdm(total=total, desc="cute_flash warm-up", unit="kernel")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a Hugging Face config: config.json, a model folder, or (with "
+                                    "transformers installed) a model id")
+    p.add_argument("--hdim", type=int, nargs="+", default=[], help="head dims (without --config)")
+    p.add_argument("--heads", type=int, nargs=2, metavar=("H", "HKV"), default=None,
+                   help="query and key/value heads (default 32 8 without --config)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default=None)
+    p.add_argument("--mask", nargs="+", choices=("causal", "none", "window", "softcap"), default=["causal"],
+                   help="masks to warm (without --config)")
+    p.add_argument("--varlen", action="store_true", help="also the packed-sequence (varlen) variants")
+    p.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
+    p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+    p.add_argument("--seqlen", type=int, nargs="+", default=None, help="sequence lengths to plan for "
+                   "(default: a sweep from 64 to 128k and decode shapes)")
+    p.add_argument("--arch", choices=jit.ARCHS, default=None, help="compile target (default: this GPU)")
+    p.add_argument("--num-sms", type=int, default=None, help="SM count of the target GPU (default: this GPU, "
+                                                             "or 132 with --arch)")
+    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    p.add_argument("--list", action="store_true", help="print the variants without compiling")
+
+
+def _load_config(name: str) -> dict:
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:
+        from transformers import AutoConfig
+    except ImportError as err:
+        raise SystemExit(f"{name}: no such config file (a model id needs transformers installed)") from err
+    return AutoConfig.from_pretrained(name).to_dict()
+
+
+def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
+    if args.config:
+        specs = specs_from_model_config(_load_config(args.config), dtype=args.dtype, backward=not args.no_bwd)
+        return [replace(s, deterministic=args.deterministic) for s in specs]
+    if not args.hdim:
+        raise SystemExit("name the head dims (--hdim 128 ...) or a model (--config)")
+    heads_q, heads_kv = args.heads or (32, 8)
+    masks = [dict(causal=m == "causal", window=m == "window", softcap=m == "softcap") for m in args.mask]
+    return [AttentionSpec(hdim=d, heads_q=heads_q, heads_kv=heads_kv, dtype=args.dtype or "bf16",
+                          varlen=varlen, backward=not args.no_bwd, deterministic=args.deterministic, **m)
+            for d in args.hdim for m in masks for varlen in ((False, True) if args.varlen else (False,))]
+
+
+def _target(args: argparse.Namespace) -> tuple[str, int]:
+    import torch
+
+    if args.arch is None:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU here: name the target with --arch sm_90a (or sm_80)")
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return jit.device_arch(), args.num_sms or props.multi_processor_count
+    return args.arch, args.num_sms or 132
+
+
+def main(args: argparse.Namespace) -> int:
+    arch, num_sms = _target(args)
+    specs = specs_from_args(args)
+    seqlens = tuple(args.seqlen) if args.seqlen else SEQLENS
+    configs: dict[jit.KernelConfig, None] = {}
+    for spec in specs:
+        planned = plan_configs(spec, arch, num_sms, seqlens=seqlens, decode=not args.seqlen)
+        configs.update(dict.fromkeys(planned))
+    print(f"{len(configs)} kernel variants for {arch} ({num_sms} SMs) from {len(specs)} attention specs:",
+          file=sys.stderr)
+    for spec in specs:
+        print(f"  {spec.label()}" + ("" if spec.backward else " (forward only)"), file=sys.stderr)
+    if args.list:
+        print("\n".join(c.describe() for c in configs))
+        return 0
+    print(f"cache: {disk_cache.cache_root()}", file=sys.stderr)
+    t0 = time.perf_counter()
+    results = warm(list(configs), args.workers or os.cpu_count() or 1)
+    fresh = sum(compiled for _, _, compiled in results)
+    print(f"{fresh} compiled, {len(results) - fresh} already cached, in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 0

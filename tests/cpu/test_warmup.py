@@ -1,0 +1,112 @@
+"""``python -m cute_flash warmup``: the variants it plans are the ones the launchers run, over any
+shape, and what it compiles without a GPU is what a later process loads instead of compiling."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cute_flash import dispatch, jit
+from cute_flash.tools import warmup
+from cute_flash.tools.warmup import AttentionSpec
+
+SPECS = [
+    AttentionSpec(hdim=128, heads_q=32, heads_kv=8),
+    AttentionSpec(hdim=128, heads_q=64, heads_kv=8),
+    AttentionSpec(hdim=64, heads_q=32, heads_kv=1, causal=False),
+    AttentionSpec(hdim=64, heads_q=16, heads_kv=16, causal=False),
+    AttentionSpec(hdim=256, heads_q=16, heads_kv=8, softcap=True),
+    AttentionSpec(hdim=96, heads_q=12, heads_kv=12),
+    AttentionSpec(hdim=128, heads_q=32, heads_kv=8, window=True, varlen=True),
+]
+
+
+def _launched(spec: AttentionSpec, nq: int, nk: int, batch: int) -> list[jit.KernelConfig]:
+    """The configs the launchers build for one call (``launch.run_fwd`` / ``run_bwd`` plan through
+    these two functions), on an sm_90a GPU with 132 SMs."""
+    masks = dict(causal=spec.causal, local=spec.window, softcap=spec.softcap, varlen=spec.varlen)
+    fam = dispatch.fwd_family("sm_90a", spec.hdim, spec.hdim)
+    p = dispatch.fwd_problem(spec.dtype, spec.hdim, spec.hdim, **masks, seqlen_q=nq, seqlen_k=nk,
+                             heads_q=spec.heads_q, heads_kv=spec.heads_kv, num_sms=132)
+    out = [dispatch.fwd_config(p, fam)]
+    if nq == nk:
+        fam = dispatch.bwd_family("sm_90a", spec.hdim, spec.hdim, spec.softcap)
+        p = dispatch.bwd_problem(fam, "sm_90a", spec.dtype, spec.hdim, spec.hdim, **masks,
+                                 deterministic=False, dlse=False, seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q,
+                                 heads_kv=spec.heads_kv, batch=batch, num_sms=132)
+        out += dispatch.bwd_configs(p, fam)
+    return [replace(c, target="sm_90a") for c in out]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label().replace(" ", "-"))
+def test_the_sweep_covers_the_plans_of_lengths_and_batches_outside_it(spec: AttentionSpec, seed: int) -> None:
+    planned = set(warmup.plan_configs(spec, "sm_90a", 132))
+    rng = random.Random(seed)
+    for _ in range(150):
+        nq = rng.choice([rng.randint(1, 300), rng.randint(1, 6000), rng.randint(1, 131072)])
+        nk = nq if rng.random() < 0.7 else rng.randint(nq, 131072)
+        batch = rng.randint(1, 256)
+        for cfg in _launched(spec, nq, nk, batch):
+            assert cfg in planned, f"Nq={nq} Nk={nk} B={batch}: {cfg.describe()} is not warmed"
+
+
+def test_specs_follow_a_decoder_config() -> None:
+    llama = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "torch_dtype": "bfloat16"}
+    specs = warmup.specs_from_model_config(llama)
+    assert {(s.hdim, s.heads_q, s.heads_kv, s.dtype, s.window, s.softcap) for s in specs} == {
+        (128, 32, 8, "bf16", False, False)}
+    assert {s.varlen for s in specs} == {False, True}  # (padded batches go through varlen)
+    gemma2 = {"hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+              "sliding_window": 4096, "attn_logit_softcapping": 50.0, "dtype": "float16",
+              "layer_types": ["sliding_attention", "full_attention"]}
+    specs = warmup.specs_from_model_config(gemma2, padded=False)
+    assert {(s.hdim, s.window, s.softcap, s.dtype) for s in specs} == {(256, False, True, "fp16"),
+                                                                       (256, True, True, "fp16")}
+    qwen2 = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "sliding_window": 131072, "use_sliding_window": False}
+    assert {s.window for s in warmup.specs_from_model_config(qwen2)} == {False}
+    mistral_in_a_vlm = {"text_config": {"hidden_size": 5120, "num_attention_heads": 32,
+                                        "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 4096}}
+    assert {s.window for s in warmup.specs_from_model_config(mistral_in_a_vlm)} == {False, True}
+    assert not any(s.backward for s in warmup.specs_from_model_config(llama, backward=False))
+
+
+def _cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cute_flash", "warmup", *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_warmup_without_a_gpu_needs_an_architecture(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_FLASH_CACHE="1", CUTE_FLASH_CACHE_DIR=str(tmp_path))
+    res = _cli(["--hdim", "64"], env)
+    assert res.returncode != 0 and "--arch" in res.stderr
+
+
+def test_a_warmed_variant_is_loaded_by_the_launch_path_of_a_later_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_FLASH_CACHE="1", CUTE_FLASH_CACHE_DIR=str(tmp_path))
+    args = ["--hdim", "64", "--heads", "4", "4", "--no-bwd", "--seqlen", "300", "--arch", "sm_90a",
+            "--workers", "1"]
+    listed = _cli([*args, "--list"], env)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.count("fwd_sm90[sm_90a]") == 1
+    res = _cli(args, env)
+    assert res.returncode == 0, res.stderr
+    assert "1 compiled, 0 already cached" in res.stderr
+    assert "0 compiled, 1 already cached" in _cli(args, env).stderr
+    # The launcher's config has no target (the current GPU): it finds the warmed entry.
+    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_FLASH_CACHE", "1")
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_cache", {})
+    monkeypatch.setattr(jit, "_compile", lambda cfg, keep: pytest.fail(f"compiled {cfg.describe()}"))
+    p = dispatch.fwd_problem("bf16", 64, 64, causal=True, local=False, softcap=False, varlen=False,
+                             seqlen_q=300, seqlen_k=300, heads_q=4, heads_kv=4, num_sms=132)
+    assert callable(jit.compile_kernel(dispatch.fwd_config(p, "sm90")))
