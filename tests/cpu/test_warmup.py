@@ -38,8 +38,8 @@ def _launched(spec: AttentionSpec, nq: int, nk: int, batch: int) -> list[jit.Ker
     if nq == nk:
         fam = dispatch.bwd_family("sm_90a", spec.hdim, spec.hdim, spec.softcap)
         p = dispatch.bwd_problem(fam, "sm_90a", spec.dtype, spec.hdim, spec.hdim, **masks,
-                                 deterministic=False, dlse=False, seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q,
-                                 heads_kv=spec.heads_kv, batch=batch, num_sms=132)
+                                 deterministic=False, dlse=False, seqlen_q=nq, seqlen_k=nk,
+                                 heads_q=spec.heads_q, heads_kv=spec.heads_kv, batch=batch, num_sms=132)
         out += dispatch.bwd_configs(p, fam)
     return [replace(c, target="sm_90a") for c in out]
 
