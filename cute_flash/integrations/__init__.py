@@ -1,0 +1,1 @@
+"""Adapters for the frameworks users reach attention through (each imports its framework lazily)."""
