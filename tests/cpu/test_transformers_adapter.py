@@ -47,11 +47,13 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list:
 
 def test_heads_scale_causal_softcap_and_the_window_map_onto_ours(calls, seed) -> None:
     q, k, v = _qkv(nq=12, nk=12)
-    out, weights = adapter.attention_forward(_Attn(), q, k, v, None, scaling=0.3, sliding_window=5, softcap=30.0)
+    flags = dict(scaling=0.3, sliding_window=5, softcap=30.0)
+    out, weights = adapter.attention_forward(_Attn(), q, k, v, None, **flags)
     assert weights is None and out.shape == (2, 12, 4, 64)
-    kind, _, kk, _, flags = calls[-1]
+    kind, _, kk, _, passed = calls[-1]
     assert kind == "dense" and kk.shape == (2, 12, 2, 64), "K / V go in with their own heads"
-    assert flags == dict(softmax_scale=0.3, causal=True, window_size=(4, 4), softcap=30.0, deterministic=False)
+    assert passed == dict(softmax_scale=0.3, causal=True, window_size=(4, 4), softcap=30.0,
+                         deterministic=False)
     adapter.attention_forward(_Attn(is_causal=False), q, k, v, None, sliding_window=12)
     assert calls[-1][4]["window_size"] == (-1, -1) and calls[-1][4]["causal"] is False
     assert calls[-1][4]["softcap"] == 0.0 and calls[-1][4]["softmax_scale"] is None
@@ -65,8 +67,7 @@ def test_heads_scale_causal_softcap_and_the_window_map_onto_ours(calls, seed) ->
     assert calls[-1][4]["deterministic"] is True
     want = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                            window_size=(4, 4), softcap=30.0, softmax_scale=0.3)
-    torch.testing.assert_close(adapter.attention_forward(_Attn(), q, k, v, None, scaling=0.3, sliding_window=5,
-                                                         softcap=30.0)[0], want)
+    torch.testing.assert_close(adapter.attention_forward(_Attn(), q, k, v, None, **flags)[0], want)
 
 
 @pytest.mark.parametrize("bad, error, match", [
