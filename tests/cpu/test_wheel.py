@@ -36,7 +36,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_imports(tmp_path: Path)
     install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index"]
     subprocess.run([*install, str(wheel)], check=True, capture_output=True, timeout=600)
     probe = ("import cute_flash, cute_flash.integrations.transformers, cute_flash.tools.warmup, "
-             "cute_flash.hopper.fwd, cute_flash.ampere.bwd; print(cute_flash.__version__, cute_flash.__file__)")
+             "cute_flash.hopper.fwd, cute_flash.ampere.bwd\n"
+             "print(cute_flash.__version__, cute_flash.__file__)")
     out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True,
                          cwd=tmp_path, timeout=600).stdout.split()
     assert out[0] == cute_flash.__version__
