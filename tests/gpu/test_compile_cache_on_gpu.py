@@ -1,6 +1,7 @@
 """The on-disk compile cache on the GPU: a process that loads the forward and backward kernels
 another compiled (or that ``python -m cute_flash warmup`` compiled) computes bit for bit what the
-compiling process did, without compiling anything."""
+compiling process did (the deterministic backward: dQ's atomic adds in a fixed order), without
+compiling anything."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ _RUN = textwrap.dedent("""
     q, k, v = (torch.randn(2, 777, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (16, 4, 4))
     t0 = time.perf_counter()
-    out = cute_flash.flash_attn_func(q, k, v, causal=True)
+    out = cute_flash.flash_attn_func(q, k, v, causal=True, deterministic=True)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     out.backward(torch.ones_like(out))
