@@ -55,12 +55,13 @@ def source_fingerprint() -> str:
     versions of Python, the DSL and TVM-FFI (computed once per process)."""
     global _fingerprint
     if _fingerprint is None:
+        from importlib.metadata import version
+
         import cutlass
-        import tvm_ffi
 
         h = hashlib.sha256()
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
-        h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
+        h.update(f"cutlass={cutlass.__version__};tvm_ffi={version('apache-tvm-ffi')}".encode())
         root = Path(__file__).resolve().parent
         for src in sorted(root.rglob("*.py")):
             body = src.read_bytes()
