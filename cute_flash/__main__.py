@@ -8,6 +8,7 @@ flash-attn-4, or, without one, compile them for sm_80 and sm_90a and print what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -314,7 +315,10 @@ def _cache_main(argv: list[str]) -> int:
         print(f"removed {disk_cache.clear()} entries from {disk_cache.cache_root()}")
         return 0
     entries = disk_cache.entries()
-    size = sum(e.stat().st_size for e in entries)
+    size = 0
+    for e in entries:
+        with contextlib.suppress(OSError):  # (another process may be clearing it)
+            size += e.stat().st_size
     state = "on" if disk_cache.enabled() else f"off ({disk_cache.CACHE_ENV}=0)"
     print(f"{disk_cache.cache_root()}: {len(entries)} compiled kernels, {size / 2**20:.1f} MiB; "
           f"cache {state}")

@@ -51,17 +51,23 @@ def cache_root() -> Path:
 
 
 def source_fingerprint() -> str:
-    """Hash of everything that shapes a compiled kernel: this package's Python sources and the
-    versions of Python, the DSL and TVM-FFI (computed once per process)."""
+    """Hash of everything that shapes a compiled kernel besides its config: this package's Python
+    sources, the versions of Python, the DSL and TVM-FFI, and the DSL's settings (its environment
+    switches: debug, line info, assertions, optimisation level, and the CUDA runtime flavour it
+    loaded, cu12 or cu13). Computed once per process."""
     global _fingerprint
     if _fingerprint is None:
         from importlib.metadata import version
 
         import cutlass
+        from cutlass.cutlass_dsl import CuTeDSL
 
         h = hashlib.sha256()
         h.update(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
         h.update(f"cutlass={cutlass.__version__};tvm_ffi={version('apache-tvm-ffi')}".encode())
+        # (The target is in each entry's key; the DSL's default one is left out here.)
+        settings = CuTeDSL._get_dsl().envar.cache_key_str()
+        h.update(";".join(f for f in settings.split(";") if not f.startswith("arch=")).encode())
         root = Path(__file__).resolve().parent
         for src in sorted(root.rglob("*.py")):
             body = src.read_bytes()
@@ -88,25 +94,38 @@ def load(path: Path) -> Any | None:
         return None
     try:
         return _load_object(body)
-    except Exception:  # an entry this DSL cannot link: a miss, compiled and replaced
+    except Exception as err:  # an entry this DSL cannot link: a miss, compiled and replaced
+        _warn_once("load", f"cute_flash: compile cache entry {path} did not load ({type(err).__name__}: "
+                           f"{err}); compiling instead")
         return None
 
 
 def _load_object(body: bytes) -> Any:
     import cutlass.cute as cute
 
+    def link(file: str) -> Any:
+        return getattr(cute.runtime.load_module(file, enable_tvm_ffi=True), _FUNCTION)
+
     # The loader reads a path; an anonymous in-memory file keeps the cache folder untouched.
-    if hasattr(os, "memfd_create"):
+    try:
         fd = os.memfd_create("cute_flash_kernel")
+    except (AttributeError, OSError):  # (no memfd here: a private temporary file)
+        fd = None
+    if fd is not None and os.path.exists(f"/proc/self/fd/{fd}"):
         try:
             os.write(fd, body)
-            return getattr(cute.runtime.load_module(f"/proc/self/fd/{fd}", enable_tvm_ffi=True), _FUNCTION)
+            return link(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
-    with tempfile.NamedTemporaryFile(suffix=".o") as f:
-        f.write(body)
-        f.flush()
-        return getattr(cute.runtime.load_module(f.name, enable_tvm_ffi=True), _FUNCTION)
+    if fd is not None:
+        os.close(fd)
+    tmp = tempfile.NamedTemporaryFile(suffix=".o", delete=False)
+    try:
+        with tmp:
+            tmp.write(body)
+        return link(tmp.name)
+    finally:
+        os.unlink(tmp.name)
 
 
 def store(path: Path, compiled: Any) -> bool:
@@ -127,6 +146,7 @@ def store(path: Path, compiled: Any) -> bool:
         if not body:
             raise OSError("empty object file")
         Path(tmp).write_bytes(MAGIC + hashlib.sha256(body).digest() + body)
+        os.chmod(tmp, 0o644)  # (mkstemp's 0600 would hide a shared cache from other users)
         os.replace(tmp, path)
         return True
     except Exception as err:  # a full disk, a killed export: no entry rather than a partial one
@@ -174,10 +194,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except BlockingIOError:
                 if time.monotonic() > deadline:
                     break  # (a holder stuck past any compile time: compile without the lock)
                 time.sleep(0.05)
+            except OSError:
+                break  # (no locks on this file system, e.g. NFS without lockd: compile unlocked)
         yield
     finally:
         os.close(fd)  # (closing releases the lock; a process that dies releases it too)
@@ -192,23 +214,28 @@ def _warn_once(kind: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _fingerprint_dirs() -> list[Path]:
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    return [d for d in root.iterdir() if d.is_dir() and len(d.name) == 20
+            and all(c in "0123456789abcdef" for c in d.name)]
+
+
 def entries() -> list[Path]:
     """Every entry under the cache folder, of any source fingerprint."""
-    root = cache_root()
-    return sorted(root.glob("*/*.cfk")) if root.is_dir() else []
+    return sorted(p for d in _fingerprint_dirs() for p in d.glob("*.cfk"))
 
 
 def clear() -> int:
-    """Remove every entry and lock file; returns how many entries went."""
-    root = cache_root()
-    if not root.is_dir():
-        return 0
+    """Remove the entries, locks and temporaries of every fingerprint folder (and the folders);
+    returns how many entries went. Nothing else in the cache folder is touched."""
     gone = 0
-    for p in [*root.glob("*/*.cfk"), *root.glob("*/*.lock"), *root.glob("*/.*.tmp*")]:
-        with contextlib.suppress(OSError):
-            p.unlink()
-            gone += p.suffix == ".cfk"
-    for d in root.glob("*"):
+    for d in _fingerprint_dirs():
+        for p in [*d.glob("*.cfk"), *d.glob("*.lock"), *d.glob(".*.tmp*")]:
+            with contextlib.suppress(OSError):
+                p.unlink()
+                gone += p.suffix == ".cfk"
         with contextlib.suppress(OSError):
             d.rmdir()
     return gone

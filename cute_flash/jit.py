@@ -161,12 +161,19 @@ def _compile(cfg: KernelConfig, keep: bool) -> Any:
     return cute.compile(cfg.build(), *cfg.fake_args(), options=_options(cfg, keep))
 
 
+def _dsl_arch() -> str:
+    """What the DSL compiles for when no target is named: the device's (or CUTE_DSL_ARCH)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    return CuTeDSL._get_dsl().envar.arch
+
+
 def _disk_key(cfg: KernelConfig) -> str | None:
     """The on-disk cache key of ``cfg``: its class and fields with the compile target resolved (a
     launch on an H100 and a compile-only warm-up for sm_90a share entries); None if a field has no
     stable text form."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    values["target"] = cfg.target or resolve_arch()
+    values["target"] = cfg.target or _dsl_arch()
     text = ", ".join(f"{name}={value!r}" for name, value in values.items())
     if " at 0x" in text:
         return None

@@ -94,8 +94,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if sliding_window is not None and k.shape[1] > sliding_window:
         # transformers' window counts the query's own token: sliding_window - 1 keys to each side.
         window = (sliding_window - 1, sliding_window - 1)
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     flags = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0),
-                 deterministic=torch.are_deterministic_algorithms_enabled())
+                 deterministic=bool(deterministic))
     packed = _packed_lengths(q, attention_mask, kwargs)
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, flags)
@@ -117,8 +120,11 @@ def _kernel_dtype(query: Tensor, module: torch.nn.Module) -> torch.dtype:
         return query.dtype
     if torch.is_autocast_enabled(query.device.type):
         return torch.get_autocast_dtype(query.device.type)
-    weights = next((p.dtype for p in module.parameters() if p.dtype in (torch.bfloat16, torch.float16)), None)
-    if weights is None:
+    half = (torch.bfloat16, torch.float16)
+    weights = next((p.dtype for p in module.parameters() if p.dtype in half), None)
+    if weights is None:  # (quantized weights: the dtype the model was loaded in)
+        weights = getattr(getattr(module, "config", None), "dtype", None)
+    if weights not in half:
         raise TypeError(f"cute_flash runs bf16 / fp16 attention; this model computes in {query.dtype}: load "
                         "it with dtype=torch.bfloat16 (or run under torch.autocast)")
     return weights
@@ -151,6 +157,8 @@ def _padded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, flags: dict) -> Tenso
     Nq positions of it (left padding and a KV cache included)."""
     b, nq, h = q.shape[:3]
     mask = mask.to(torch.bool)
+    if k.shape[1] > mask.shape[1]:  # a static cache: its slots past the mask are not filled yet
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     mask_q = mask[:, -nq:]
     lens_k = mask.sum(1, dtype=torch.int32)
     lens_q = mask_q.sum(1, dtype=torch.int32)

@@ -20,11 +20,14 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cute_flash import disk_cache, dispatch, jit
+from cute_flash import disk_cache, dispatch, jit, launch
 
 # The plans' thresholds fall anywhere, so the sweep is dense (planning is host arithmetic, ~0.1 s a
 # spec): query = key lengths of training and prefill in steps of ~8% from 1 to 128k, (query, key)
 # pairs of decode and chunked prefill, and batch sizes in steps of ~20% up to 256.
+# Compile targets a warm-up can name (the launchers compile for the device's own: sm_86 / sm_89
+# for Ampere / Ada cards).
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 SEQLENS = tuple(sorted({round(1.08 ** i) for i in range(156)}))
 DECODE = tuple((nq, nk) for nq in SEQLENS if nq <= 4096 for nk in (1024, 4096, 32768, 131072) if nq < nk)
 BATCHES = tuple(sorted({round(1.2 ** i) for i in range(31)}))
@@ -84,7 +87,9 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
     dv = spec.hdim if spec.hdim_v is None else spec.hdim_v
     fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
     bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
-    masks = dict(causal=spec.causal, local=spec.window, softcap=spec.softcap, varlen=spec.varlen)
+    # (The launchers' own mask rule: a causal window is the window (left, 0), not causal.)
+    causal, local, _, _ = launch.normalize_window(spec.causal, (1, 1) if spec.window else (-1, -1))
+    masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
     pairs = [(n, n) for n in seqlens] + (list(DECODE) if decode and not spec.varlen else [])
     out: dict[jit.KernelConfig, None] = {}
     for nq, nk in pairs:
@@ -112,9 +117,12 @@ def _compile_one(cfg: jit.KernelConfig) -> tuple[str, float, bool]:
         return real(c, keep)
 
     jit._compile = counting
-    t0 = time.perf_counter()
-    jit.compile_kernel(cfg)
-    return cfg.describe(), time.perf_counter() - t0, bool(compiled)
+    try:
+        t0 = time.perf_counter()
+        jit.compile_kernel(cfg)
+        return cfg.describe(), time.perf_counter() - t0, bool(compiled)
+    finally:
+        jit._compile = real
 
 
 def warm(configs: list[jit.KernelConfig], workers: int,
@@ -167,14 +175,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, nargs=2, metavar=("H", "HKV"), default=None,
                    help="query and key/value heads (default 32 8 without --config)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None)
-    p.add_argument("--mask", nargs="+", choices=("causal", "none", "window", "softcap"), default=["causal"],
-                   help="masks to warm (without --config)")
+    p.add_argument("--mask", nargs="+", choices=("causal", "none", "window"), default=["causal"],
+                   help="masks to warm (without --config); window: a causal sliding window")
+    p.add_argument("--softcap", action="store_true", help="with a score softcap (without --config)")
     p.add_argument("--varlen", action="store_true", help="also the packed-sequence (varlen) variants")
     p.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
     p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
     p.add_argument("--seqlen", type=int, nargs="+", default=None, help="sequence lengths to plan for "
                    "(default: a sweep from 64 to 128k and decode shapes)")
-    p.add_argument("--arch", choices=jit.ARCHS, default=None, help="compile target (default: this GPU)")
+    p.add_argument("--arch", choices=TARGETS, default=None, help="compile target (default: this GPU)")
     p.add_argument("--num-sms", type=int, default=None, help="SM count of the target GPU (default: this GPU, "
                                                              "or 132 with --arch)")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
@@ -201,7 +210,7 @@ def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
     if not args.hdim:
         raise SystemExit("name the head dims (--hdim 128 ...) or a model (--config)")
     heads_q, heads_kv = args.heads or (32, 8)
-    masks = [dict(causal=m == "causal", window=m == "window", softcap=m == "softcap") for m in args.mask]
+    masks = [dict(causal=m != "none", window=m == "window", softcap=args.softcap) for m in args.mask]
     return [AttentionSpec(hdim=d, heads_q=heads_q, heads_kv=heads_kv, dtype=args.dtype or "bf16",
                           varlen=varlen, backward=not args.no_bwd, deterministic=args.deterministic, **m)
             for d in args.hdim for m in masks for varlen in ((False, True) if args.varlen else (False,))]

@@ -25,6 +25,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(disk_cache.CACHE_ENV, "1")
     monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(jit, "_cache", {})
+    monkeypatch.setattr(disk_cache, "_warned", set())
     return tmp_path / "cache"
 
 
@@ -61,11 +62,12 @@ def test_variants_and_targets_have_their_own_entries(cache_dir, compiles, monkey
     jit.compile_kernel(CFG)
     jit.compile_kernel(OTHER)
     assert len(disk_cache.entries()) == 2
-    # A config with no target (the current device) shares the entry of its resolved target.
+    # A config with no target (the current device) shares the entry of what the DSL compiles
+    # it for.
     on_device = BwdSm90PostConfig(target=None, dtype="bf16", hdim=64, tile_m=64, varlen=False)
-    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_90a")
+    monkeypatch.setattr(jit, "_dsl_arch", lambda: "sm_90a")
     assert jit._disk_key(CFG) == jit._disk_key(on_device)
-    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_80")
+    monkeypatch.setattr(jit, "_dsl_arch", lambda: "sm_80")
     assert jit._disk_key(CFG) != jit._disk_key(on_device)
 
 
@@ -86,7 +88,11 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir, compiles, mon
     else:
         entry.write_bytes(b"XXXXXXXX" + blob[8:])
     _fresh_process_cache(monkeypatch)
-    assert callable(jit.compile_kernel(CFG))
+    if damage == "garbage_with_a_valid_digest":  # (a whole entry that does not link: said once)
+        with pytest.warns(RuntimeWarning, match="did not load"):
+            assert callable(jit.compile_kernel(CFG))
+    else:
+        assert callable(jit.compile_kernel(CFG))
     assert len(compiles) == 2, "a damaged entry must be compiled again"
     assert entry.read_bytes() == blob or disk_cache.load(entry) is not None, "the entry was not replaced"
     _fresh_process_cache(monkeypatch)

@@ -65,6 +65,8 @@ def test_heads_scale_causal_softcap_and_the_window_map_onto_ours(calls, seed) ->
     finally:
         torch.use_deterministic_algorithms(False)
     assert calls[-1][4]["deterministic"] is True
+    adapter.attention_forward(_Attn(), q, k, v, None, deterministic=True)
+    assert calls[-1][4]["deterministic"] is True
     want = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                            window_size=(4, 4), softcap=30.0, softmax_scale=0.3)
     torch.testing.assert_close(adapter.attention_forward(_Attn(), q, k, v, None, **flags)[0], want)
@@ -121,6 +123,17 @@ def test_decoding_over_a_left_padded_cache_uses_the_last_query_rows(calls, seed)
     want = flash_attn_func(q[1:].transpose(1, 2), k[1:, :, 4:].transpose(1, 2), v[1:, :, 4:].transpose(1, 2),
                            causal=True)
     torch.testing.assert_close(out[1:], want)
+
+
+def test_a_static_cache_longer_than_the_mask_attends_only_its_filled_slots(calls, seed) -> None:
+    q, k, v = _qkv(b=2, nq=1, nk=20)  # 20 slots, 12 filled
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :5] = False
+    out, _ = adapter.attention_forward(_Attn(), q, k, v, mask)
+    for i, first in ((0, 0), (1, 5)):
+        filled = (q, k[:, :, first:12], v[:, :, first:12])
+        want = flash_attn_func(*(t[i:i + 1].transpose(1, 2) for t in filled), causal=True)
+        torch.testing.assert_close(out[i:i + 1], want)
 
 
 def test_sequences_packed_in_one_row_attend_within_their_document(calls, seed) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cute_flash import dispatch, jit
+from cute_flash import dispatch, jit, launch
 from cute_flash.tools import warmup
 from cute_flash.tools.warmup import AttentionSpec
 
@@ -24,13 +24,17 @@ SPECS = [
     AttentionSpec(hdim=256, heads_q=16, heads_kv=8, softcap=True),
     AttentionSpec(hdim=96, heads_q=12, heads_kv=12),
     AttentionSpec(hdim=128, heads_q=32, heads_kv=8, window=True, varlen=True),
+    AttentionSpec(hdim=256, heads_q=8, heads_kv=4, window=True, softcap=True),
+    AttentionSpec(hdim=64, heads_q=16, heads_kv=16, causal=False, window=True),
 ]
 
 
 def _launched(spec: AttentionSpec, nq: int, nk: int, batch: int) -> list[jit.KernelConfig]:
     """The configs the launchers build for one call (``launch.run_fwd`` / ``run_bwd`` plan through
     these two functions), on an sm_90a GPU with 132 SMs."""
-    masks = dict(causal=spec.causal, local=spec.window, softcap=spec.softcap, varlen=spec.varlen)
+    window = (4095, 4095) if spec.window else (-1, -1)  # (as transformers passes a 4096 window)
+    causal, local, _, _ = launch.normalize_window(spec.causal, window)
+    masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
     fam = dispatch.fwd_family("sm_90a", spec.hdim, spec.hdim)
     p = dispatch.fwd_problem(spec.dtype, spec.hdim, spec.hdim, **masks, seqlen_q=nq, seqlen_k=nk,
                              heads_q=spec.heads_q, heads_kv=spec.heads_kv, num_sms=132)
@@ -101,8 +105,9 @@ def test_a_warmed_variant_is_loaded_by_the_launch_path_of_a_later_process(
     assert res.returncode == 0, res.stderr
     assert "1 compiled, 0 already cached" in res.stderr
     assert "0 compiled, 1 already cached" in _cli(args, env).stderr
-    # The launcher's config has no target (the current GPU): it finds the warmed entry.
-    monkeypatch.setenv("CUTE_FLASH_ARCH", "sm_90a")
+    # The launcher's config has no target (the current GPU, here an H100 as the DSL sees it): it
+    # finds the warmed entry.
+    monkeypatch.setattr(jit, "_dsl_arch", lambda: "sm_90a")
     monkeypatch.setenv("CUTE_FLASH_CACHE", "1")
     monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(jit, "_cache", {})
