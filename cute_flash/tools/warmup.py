@@ -66,19 +66,16 @@ def specs_from_model_config(config: dict, dtype: str | None = None, backward: bo
     heads_kv = int(c.get("num_key_value_heads") or heads)
     softcap = bool(c.get("attn_logit_softcapping"))
     window = c.get("sliding_window")
-    kinds = set(c.get("layer_types") or [])
-    if not window or c.get("use_sliding_window") is False:
-        windows = [False]
-    elif kinds:
-        windows = sorted({k == "sliding_attention" for k in kinds & {"sliding_attention", "full_attention"}})
-    else:
-        windows = [False, True]  # (which layers slide is not in the file: both)
+    kinds = set(c.get("layer_types") or ["sliding_attention"])
+    slides = bool(window) and c.get("use_sliding_window") is not False and "sliding_attention" in kinds
+    # (A sliding layer attends without its window while the keys fit in it: both variants.)
+    windows = [False, True] if slides else [False]
     if dtype is None:
         named = str(c.get("dtype") or c.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
         dtype = "fp16" if "float16" in named and "bfloat16" not in named else "bf16"
     return [AttentionSpec(hdim=hdim, heads_q=heads, heads_kv=heads_kv, dtype=dtype, window=w, softcap=softcap,
                           varlen=varlen, backward=backward)
-            for w in windows or [False] for varlen in ((False, True) if padded else (False,))]
+            for w in windows for varlen in ((False, True) if padded else (False,))]
 
 
 def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[int, ...] = SEQLENS,

@@ -79,6 +79,11 @@ def test_specs_follow_a_decoder_config() -> None:
     mistral_in_a_vlm = {"text_config": {"hidden_size": 5120, "num_attention_heads": 32,
                                         "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 4096}}
     assert {s.window for s in warmup.specs_from_model_config(mistral_in_a_vlm)} == {False, True}
+    # Every layer slides, but sequences shorter than the window run without it.
+    all_sliding = dict(llama, sliding_window=4096, layer_types=["sliding_attention"] * 4)
+    assert {s.window for s in warmup.specs_from_model_config(all_sliding)} == {False, True}
+    no_sliding = dict(llama, sliding_window=4096, layer_types=["full_attention"] * 4)
+    assert {s.window for s in warmup.specs_from_model_config(no_sliding)} == {False}
     assert not any(s.backward for s in warmup.specs_from_model_config(llama, backward=False))
 
 
