@@ -136,3 +136,20 @@ def balanced_sample(axes: dict[str, tuple], n: int, rng: random.Random) -> list[
         rng.shuffle(col)
         columns[name] = col
     return [{name: col[i] for name, col in columns.items()} for i in range(n)]
+
+
+def small_decoder(family: str, hidden: int, heads: int, kv_heads: int, window: int, vocab: int):
+    """A randomly initialised two-layer transformers decoder of ``family`` (llama, qwen2, mistral
+    with a sliding window, gemma2 with softcap and a sliding window), no weights downloaded."""
+    tf = pytest.importorskip("transformers")
+    small = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=2,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512)
+    d = hidden // heads
+    if family == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**small))
+    if family == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=window))
+    return tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, head_dim=d, sliding_window=window,
+                                                attn_logit_softcapping=20.0, query_pre_attn_scalar=d))

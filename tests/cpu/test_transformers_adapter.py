@@ -11,6 +11,8 @@ import torch
 from cute_flash.api import flash_attn_func, flash_attn_varlen_func
 from cute_flash.integrations import transformers as adapter
 
+from attention_checks import small_decoder
+
 BF16 = torch.bfloat16
 
 
@@ -156,17 +158,7 @@ def test_sequences_packed_in_one_row_attend_within_their_document(calls, seed) -
 # Whole models (transformers installed: the dev extra has it)
 # ---------------------------------------------------------------------------------------------
 def _model(family: str):
-    tf = pytest.importorskip("transformers")
-    small = dict(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    if family == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**small))
-    if family == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**small))
-    if family == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=16))
-    return tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, head_dim=32, sliding_window=16,
-                                                attn_logit_softcapping=20.0, query_pre_attn_scalar=32))
+    return small_decoder(family, hidden=128, heads=4, kv_heads=2, window=16, vocab=96)
 
 
 def _run(model, impl: str, ids, mask):

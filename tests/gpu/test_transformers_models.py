@@ -15,21 +15,14 @@ tf = pytest.importorskip("transformers")
 
 import cute_flash.integrations.transformers  # noqa: E402,F401  (registers "cute_flash")
 
+from attention_checks import small_decoder  # noqa: E402
+
 BF16 = torch.bfloat16
 
 
 def _model(family: str):
     # d = 64 heads, GQA 8 / 2; lengths below that are no tile multiple, windows shorter than them.
-    small = dict(vocab_size=256, hidden_size=512, intermediate_size=768, num_hidden_layers=2,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    if family == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**small))
-    if family == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**small))
-    if family == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=96))
-    return tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, head_dim=64, sliding_window=96,
-                                                attn_logit_softcapping=50.0, query_pre_attn_scalar=64))
+    return small_decoder(family, hidden=512, heads=8, kv_heads=2, window=96, vocab=256)
 
 
 def _peer(family: str) -> str:
