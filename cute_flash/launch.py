@@ -208,10 +208,9 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0)
     target = jit.resolve_arch(q.device) if family != "sm90" else None
     p = dispatch.bwd_problem(family, target, formats.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
-                             causal=causal, local=local,
-                             softcap=softcap > 0.0, varlen=varlen, deterministic=deterministic,
-                             dlse=dlse is not None, seqlen_q=mq, seqlen_k=mk, heads_q=q.shape[-2],
-                             heads_kv=k.shape[-2], batch=num_batch,
+                             causal=causal, local=local, softcap=softcap > 0.0, varlen=varlen,
+                             deterministic=deterministic, dlse=dlse is not None, seqlen_q=mq, seqlen_k=mk,
+                             heads_q=q.shape[-2], heads_kv=k.shape[-2], batch=num_batch,
                              num_sms=sm_count(q.device) if family == "sm90" else 132)
     cfg, pre, main, post, split = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
     if family == "sm80":
