@@ -1,7 +1,8 @@
 """cute-flash: exact attention kernels in the CuTe Python DSL.
 
-Importing the package registers the ``torch.ops.cute_flash`` custom ops; the DSL and the kernels
-are only imported when a kernel is first launched or compiled.
+Importing the package registers the ``torch.ops.cute_flash`` custom ops and loads the launch stack:
+the DSL, the kernel configs and the runtime that links cached kernels (the kernels themselves are
+traced when a variant is first compiled), so a launch of a cached variant costs milliseconds.
 """
 
 from cute_flash.api import attention, flash_attn_func, flash_attn_varlen_func, quantize_qkv

@@ -100,6 +100,22 @@ def load(path: Path) -> Any | None:
         return None
 
 
+def load_runtime() -> None:
+    """Load what linking an entry needs (TVM-FFI and the DSL's runtime libraries, made global so
+    every linked entry resolves against one copy) and the source fingerprint, so the first cached
+    variant a process launches costs its link only. Called when the launch stack is imported."""
+    import ctypes
+
+    import tvm_ffi  # noqa: F401  (the linked functions are TVM-FFI functions)
+    from cutlass.runtime import find_runtime_libraries
+
+    for lib in find_runtime_libraries(enable_tvm_ffi=True):
+        if os.path.exists(lib):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    if enabled():
+        source_fingerprint()
+
+
 def _load_object(body: bytes) -> Any:
     import cutlass.cute as cute
 

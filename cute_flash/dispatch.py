@@ -122,6 +122,16 @@ def bwd_problem(family: str, target: str, dtype: str, hdim: int, hdim_v: int, *,
     return Problem(target=target, **base)
 
 
+def fp8_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, varlen: bool,
+                seqlen_q: int | None, seqlen_k: int | None, heads_q: int, heads_kv: int, num_sms: int,
+                q_dense: bool) -> Problem:
+    """The FP8 forward problem of a call (``dtype``: the output's): its plan reads the query / key
+    extents, the token totals for packed sequences; None on fake (CPU) tensors."""
+    return Problem(target=None, dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local,
+                   varlen=varlen, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, heads_q=heads_q,
+                   heads_kv=heads_kv, num_sms=num_sms, q_dense=q_dense)
+
+
 def fwd_config(p: Problem, family: str) -> jit.KernelConfig:
     """The forward kernel of ``family`` for problem ``p``."""
     _check_family(family)

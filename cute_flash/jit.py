@@ -19,6 +19,8 @@ import cutlass.cute as cute
 
 from cute_flash import disk_cache
 
+disk_cache.load_runtime()
+
 ARCHS = ("sm_80", "sm_90a")
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}

@@ -259,11 +259,11 @@ def run_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale
                                      cu_seqlens_v=cu_seqlens_v)
     causal, local, left, right = normalize_window(causal, window_size)
     on_gpu = q8.device.type == "cuda"
-    p = Problem(target=None, dtype=formats.dtype_name(out.dtype), hdim=q8.shape[-1], hdim_v=v8.shape[-1],
-                causal=causal, local=local, varlen=varlen,
-                max_seqlen_q=q8.shape[-3] if on_gpu else None, max_seqlen_k=k8.shape[-3] if on_gpu else None,
-                heads_q=q8.shape[-2], heads_kv=k8.shape[-2], num_sms=sm_count(q8.device) if on_gpu else 132,
-                q_dense=varlen or dense_bnhd(q8))
+    p = dispatch.fp8_problem(formats.dtype_name(out.dtype), q8.shape[-1], v8.shape[-1], causal=causal,
+                             local=local, varlen=varlen, seqlen_q=q8.shape[-3] if on_gpu else None,
+                             seqlen_k=k8.shape[-3] if on_gpu else None, heads_q=q8.shape[-2],
+                             heads_kv=k8.shape[-2], num_sms=sm_count(q8.device) if on_gpu else 132,
+                             q_dense=varlen or dense_bnhd(q8))
     if os.environ.get(FP8_P_ENV, "").strip().lower() == "exact":
         overrides = {"exp_bytes": False, **overrides}
     cfg = dispatch.fp8_fwd_config(p, v_perm=v_perm, overrides=tuple(sorted(overrides.items())))

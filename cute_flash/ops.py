@@ -4,8 +4,7 @@ Ops: ``fwd``, ``bwd``, ``varlen_fwd``, ``varlen_bwd``. Each has
 
 * a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces through it;
 * a CUDA implementation that validates, allocates its outputs and calls the launchers
-  (``launch.run_fwd`` / ``launch.run_bwd``, imported lazily so importing cute_flash does not
-  import the DSL);
+  (``launch.run_fwd`` / ``launch.run_bwd``);
 * a CPU implementation computed with ``cute_flash.reference`` (fp32 math, cast back), so
   ``torch.library.opcheck`` and compile tests run for real on a machine without a GPU.
 
@@ -19,7 +18,7 @@ import contextlib
 
 import torch
 
-from cute_flash import reference, validate
+from cute_flash import launch, reference, validate
 
 Tensor = torch.Tensor
 
@@ -90,8 +89,6 @@ def _fwd_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, windo
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    from cute_flash import launch
-
     with torch.cuda.device(q.device):
         launch.run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
                        causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
@@ -178,8 +175,6 @@ def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv
-    from cute_flash import launch
-
     kv = _kernel_view
     with torch.cuda.device(q.device):
         launch.run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv),

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from cute_flash import formats, reference_fp8, validate
+from cute_flash import formats, launch, reference_fp8, validate
 from cute_flash.formats import FP8
 
 Tensor = torch.Tensor
@@ -57,8 +57,6 @@ def quantize_qkv_op(q: Tensor, k: Tensor, v: Tensor, rotate: bool, seed: int, v_
 
 @quantize_qkv_op.register_kernel("cuda")
 def _(q, k, v, rotate, seed, v_perm=False):
-    from cute_flash import launch
-
     return launch.quantize_qkv(q, k, v, rotate=rotate, seed=seed, v_perm=v_perm)
 
 
@@ -88,8 +86,6 @@ def fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Te
 @fwd_fp8.register_kernel("cuda")
 def _(q8, k8, v8, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
       out_dtype, v_perm=False):
-    from cute_flash import launch
-
     out, lse = _fwd_fp8_fake(q8, out_dtype)
     b, nk, hkv, d = k8.shape
     if not v_perm and v8.stride() != formats.v_storage_strides(b, nk, hkv, d):
@@ -137,8 +133,6 @@ def quantize_qkv_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 @quantize_qkv_varlen_op.register_kernel("cuda")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rotate, seed, v_aligned=False):
-    from cute_flash import launch
-
     _check_cu_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return launch.quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       rotate=rotate, seed=seed, v_aligned=v_aligned)
@@ -174,8 +168,6 @@ def varlen_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, cu_seqlens_q: Tensor, cu_
 @varlen_fwd_fp8.register_kernel("cuda")
 def _(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale,
       softmax_scale, causal, window_left, window_right, out_dtype, v_aligned=False):
-    from cute_flash import launch
-
     _check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse = _varlen_fwd_fp8_fake(q8, out_dtype)
     if q8.shape[0] == 0:

@@ -48,9 +48,11 @@ class AttentionSpec:
     varlen: bool = False
     backward: bool = True
     deterministic: bool = False
+    fp8: bool = False  # the ``fp8=True`` forward: quantize with the rotation, then e4m3 attention
 
     def label(self) -> str:
-        flags = [f for f in ("causal", "window", "softcap", "varlen", "deterministic") if getattr(self, f)]
+        names = ("causal", "window", "softcap", "varlen", "deterministic", "fp8")
+        flags = [f for f in names if getattr(self, f)]
         dv = "" if self.hdim_v in (None, self.hdim) else f"x{self.hdim_v}"
         return f"{self.dtype} d{self.hdim}{dv} {self.heads_q}/{self.heads_kv} heads {' '.join(flags)}".strip()
 
@@ -82,12 +84,14 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
                  batches: tuple[int, ...] = BATCHES, decode: bool = True) -> list[jit.KernelConfig]:
     """Every kernel config the launchers would run for ``spec`` over the sweep, for target ``arch``."""
     dv = spec.hdim if spec.hdim_v is None else spec.hdim_v
-    fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
-    bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
     # (The launchers' own mask rule: a causal window is the window (left, 0), not causal.)
     causal, local, _, _ = launch.normalize_window(spec.causal, (1, 1) if spec.window else (-1, -1))
-    masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
     pairs = [(n, n) for n in seqlens] + (list(DECODE) if decode and not spec.varlen else [])
+    if spec.fp8:
+        return _plan_fp8(spec, arch, num_sms, pairs, causal, local)
+    fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
+    bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
+    masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
     out: dict[jit.KernelConfig, None] = {}
     for nq, nk in pairs:
         p = dispatch.fwd_problem(spec.dtype, spec.hdim, dv, **masks, seqlen_q=nq, seqlen_k=nk,
@@ -101,6 +105,25 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
                                      heads_q=spec.heads_q, heads_kv=spec.heads_kv, batch=batch,
                                      num_sms=num_sms)
             out.update(dict.fromkeys(dispatch.bwd_configs(p, bwd_family)))
+    return list(dict.fromkeys(replace(c, target=arch) for c in out))
+
+
+def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[int, int]], causal: bool,
+              local: bool) -> list[jit.KernelConfig]:
+    """The ``fp8=True`` path's kernels: quantize Q / K (rotated) and V, then the e4m3 forward, whose
+    plan reads the extents (the token totals of a pack)."""
+    if not dispatch.is_hopper(arch):
+        raise ValueError(f"the FP8 kernels are Hopper kernels (sm_90a), not {arch}")
+    if spec.softcap or spec.backward or spec.hdim_v not in (None, spec.hdim):
+        raise ValueError("the FP8 path is a forward without softcap, with one head dim for Q, K and V")
+    packed = spec.varlen
+    out: dict[jit.KernelConfig, None] = dict.fromkeys(dispatch.quant_configs(
+        spec.dtype, spec.hdim, rotate=True, v_perm=not packed, varlen=packed, v_aligned=packed))
+    for nq, nk in pairs:
+        p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local, varlen=packed,
+                                 seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
+                                 num_sms=num_sms, q_dense=True)
+        out[dispatch.fp8_fwd_config(p, v_perm=not spec.varlen)] = None
     return list(dict.fromkeys(replace(c, target=arch) for c in out))
 
 
@@ -178,6 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--varlen", action="store_true", help="also the packed-sequence (varlen) variants")
     p.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
     p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+    p.add_argument("--fp8", action="store_true", help="the fp8=True forward instead (Hopper: quantize with "
+                                                     "the rotation, e4m3 attention; no backward)")
     p.add_argument("--seqlen", type=int, nargs="+", default=None, help="sequence lengths to plan for "
                    "(default: a sweep from 64 to 128k and decode shapes)")
     p.add_argument("--arch", choices=TARGETS, default=None, help="compile target (default: this GPU)")
@@ -203,14 +228,19 @@ def _load_config(name: str) -> dict:
 def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
     if args.config:
         specs = specs_from_model_config(_load_config(args.config), dtype=args.dtype, backward=not args.no_bwd)
-        return [replace(s, deterministic=args.deterministic) for s in specs]
+        return [replace(s, deterministic=args.deterministic, **_fp8_fields(args)) for s in specs]
     if not args.hdim:
         raise SystemExit("name the head dims (--hdim 128 ...) or a model (--config)")
     heads_q, heads_kv = args.heads or (32, 8)
     masks = [dict(causal=m != "none", window=m == "window", softcap=args.softcap) for m in args.mask]
     return [AttentionSpec(hdim=d, heads_q=heads_q, heads_kv=heads_kv, dtype=args.dtype or "bf16",
-                          varlen=varlen, backward=not args.no_bwd, deterministic=args.deterministic, **m)
+                          varlen=varlen, backward=not args.no_bwd, deterministic=args.deterministic,
+                          **{**m, **_fp8_fields(args)})
             for d in args.hdim for m in masks for varlen in ((False, True) if args.varlen else (False,))]
+
+
+def _fp8_fields(args: argparse.Namespace) -> dict:
+    return dict(fp8=True, backward=False) if args.fp8 else {}
 
 
 def _target(args: argparse.Namespace) -> tuple[str, int]:
@@ -230,7 +260,10 @@ def main(args: argparse.Namespace) -> int:
     seqlens = tuple(args.seqlen) if args.seqlen else SEQLENS
     configs: dict[jit.KernelConfig, None] = {}
     for spec in specs:
-        planned = plan_configs(spec, arch, num_sms, seqlens=seqlens, decode=not args.seqlen)
+        try:
+            planned = plan_configs(spec, arch, num_sms, seqlens=seqlens, decode=not args.seqlen)
+        except ValueError as err:
+            raise SystemExit(f"{spec.label()}: {err}") from err
         configs.update(dict.fromkeys(planned))
     print(f"{len(configs)} kernel variants for {arch} ({num_sms} SMs) from {len(specs)} attention specs:",
           file=sys.stderr)

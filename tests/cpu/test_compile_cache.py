@@ -170,3 +170,31 @@ def test_eight_processes_filling_the_cache_at_once_compile_each_variant_once(tmp
     entries = sorted((tmp_path / "cache").glob("*/*.cfk"))
     assert len(entries) == 2 and all(disk_cache.load(e) is not None for e in entries)
     assert not list((tmp_path / "cache").glob("*/.*")), "temporary files left behind"
+
+
+_FIRST_LOAD = textwrap.dedent("""
+    import json, sys, time
+    import cute_flash
+    loaded_at_import = "tvm_ffi" in sys.modules and "cutlass" in sys.modules
+    from cute_flash import disk_cache, jit
+    from cute_flash.hopper.bwd_config import BwdSm90PostConfig
+    fingerprinted = disk_cache._fingerprint is not None
+    jit._compile = lambda cfg, keep: sys.exit("compiled a cached variant")
+    t0 = time.perf_counter()
+    cfg = BwdSm90PostConfig(target="sm_90a", dtype="bf16", hdim=64, tile_m=64, varlen=False)
+    fn = jit.compile_kernel(cfg)
+    print(json.dumps([loaded_at_import, fingerprinted, callable(fn), time.perf_counter() - t0]))
+""")
+
+
+def test_after_import_a_cached_variant_costs_only_its_link(cache_dir, compiles) -> None:
+    """``import cute_flash`` loads the DSL, TVM-FFI, the runtime libraries and the fingerprint, so a
+    fresh process's first cached variant is a read and an in-memory link (milliseconds)."""
+    jit.compile_kernel(CFG)
+    env = dict(os.environ, CUTE_FLASH_CACHE="1", CUTE_FLASH_CACHE_DIR=str(cache_dir))
+    res = subprocess.run([sys.executable, "-c", _FIRST_LOAD], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    at_import, fingerprinted, ok, seconds = json.loads(res.stdout.strip().splitlines()[-1])
+    assert at_import and fingerprinted and ok
+    assert seconds < 0.25, f"loading a cached variant took {seconds:.3f} s"

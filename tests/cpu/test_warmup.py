@@ -60,6 +60,47 @@ def test_the_sweep_covers_the_plans_of_lengths_and_batches_outside_it(spec: Atte
             assert cfg in planned, f"Nq={nq} Nk={nk} B={batch}: {cfg.describe()} is not warmed"
 
 
+FP8_SPECS = [
+    AttentionSpec(hdim=128, heads_q=32, heads_kv=8, fp8=True, backward=False),
+    AttentionSpec(hdim=256, heads_q=16, heads_kv=16, causal=False, fp8=True, backward=False),
+    AttentionSpec(hdim=64, heads_q=16, heads_kv=4, varlen=True, fp8=True, backward=False),
+    AttentionSpec(hdim=128, heads_q=32, heads_kv=8, window=True, fp8=True, backward=False),
+]
+
+
+def _launched_fp8(spec: AttentionSpec, nq: int, nk: int) -> list[jit.KernelConfig]:
+    """The configs of one ``fp8=True`` call: the quantize kernels, then the e4m3 forward planned
+    as ``launch.run_fwd_fp8`` plans it (for packed sequences, from the token totals)."""
+    causal, local, _, _ = launch.normalize_window(spec.causal, (4095, 0) if spec.window else (-1, -1))
+    quant = dispatch.quant_configs(spec.dtype, spec.hdim, True, v_perm=not spec.varlen, varlen=spec.varlen,
+                                   v_aligned=spec.varlen)
+    p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local, varlen=spec.varlen,
+                             seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
+                             num_sms=132, q_dense=True)
+    return [replace(c, target="sm_90a") for c in (*quant, dispatch.fp8_fwd_config(p, v_perm=not spec.varlen))]
+
+
+@pytest.mark.parametrize("spec", FP8_SPECS, ids=lambda s: s.label().replace(" ", "-"))
+def test_the_fp8_sweep_covers_the_quantize_and_e4m3_plans_of_any_length(spec: AttentionSpec,
+                                                                         seed: int) -> None:
+    planned = set(warmup.plan_configs(spec, "sm_90a", 132))
+    assert any(type(c).__name__ == "FwdSm90Fp8Config" for c in planned)
+    rng = random.Random(seed)
+    for _ in range(150):
+        nq = rng.choice([rng.randint(1, 300), rng.randint(1, 6000), rng.randint(1, 131072)])
+        nk = nq if spec.varlen or rng.random() < 0.7 else rng.randint(nq, 131072)
+        for cfg in _launched_fp8(spec, nq, nk):
+            assert cfg in planned, f"Nq={nq} Nk={nk}: {cfg.describe()} is not warmed"
+
+
+def test_fp8_warmup_is_refused_off_hopper_and_with_softcap() -> None:
+    spec = FP8_SPECS[0]
+    with pytest.raises(ValueError, match="Hopper"):
+        warmup.plan_configs(spec, "sm_80", 108)
+    with pytest.raises(ValueError, match="softcap"):
+        warmup.plan_configs(replace(spec, softcap=True), "sm_90a", 132)
+
+
 def test_specs_follow_a_decoder_config() -> None:
     llama = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
              "torch_dtype": "bfloat16"}
