@@ -5,8 +5,9 @@ An entry is the object file the DSL exports for one compiled variant (TVM-FFI ho
 cubin), framed with a magic word and the SHA-256 of its body. It is keyed by the variant's config,
 the compile target, the DSL / TVM-FFI / Python versions and a hash of this package's sources, so
 a change to any of them misses instead of loading stale code. Entries are written to a private
-temporary name and renamed into place (readers see a whole entry or none); an entry that fails
-its digest or does not load is compiled again and replaced. While one process compiles a
+temporary name and renamed into place (readers see a whole entry or none) by a thread, after the
+compiled function is handed back; an entry that fails its digest or does not load is compiled
+again and replaced. While one process compiles a
 variant, others that want the same one wait on an advisory lock and then load it.
 
 ``CUTE_FLASH_CACHE_DIR`` moves the cache (default: ``$XDG_CACHE_HOME/cute_flash`` or
@@ -20,9 +21,10 @@ import hashlib
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,49 +177,75 @@ def store(path: Path, compiled: Any) -> bool:
                 os.unlink(leftover)
 
 
-def fetch_or_compile(key: str, compile_fn: Callable[[], Any]) -> Any:
+def fetch_or_compile(key: str, compile_fn: Callable[[], Any], dsl_lock: Any = None) -> Any:
     """The cached function for ``key``, else ``compile_fn()`` stored under it. Processes that want
-    the same missing entry compile it once: the others wait for the first one's lock, then load."""
+    the same missing entry compile it once: the others wait for the first one's lock, then load.
+    The entry is written by a thread after the function is returned (the export takes a tenth of
+    a compile, off the first call's path); that thread holds the entry's lock until it is written,
+    and ``dsl_lock`` (the caller's compile lock: the DSL is not thread-safe) while it exports."""
     path = entry_path(key)
     fn = load(path)
     if fn is not None:
         return fn
-    with _locked(path.with_suffix(".lock")):
+    lock = _lock(path.with_suffix(".lock"))
+    try:
         fn = load(path)
-        if fn is not None:
-            return fn
-        compiled = compile_fn()
-        store(path, compiled)
-        return compiled
+        if fn is None:
+            fn = compile_fn()
+            writer = threading.Thread(target=_store_and_unlock, args=(path, fn, lock, dsl_lock),
+                                      name="cute_flash-cache-writer")
+            _writers.append(writer)
+            writer.start()
+            lock = None  # (the writer releases it)
+        return fn
+    finally:
+        _unlock(lock)
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def flush() -> None:
+    """Wait until every entry this process compiled is on disk."""
+    while _writers:
+        _writers.pop().join()
+
+
+_writers: list[threading.Thread] = []
+
+
+def _store_and_unlock(path: Path, compiled: Any, lock: int | None, dsl_lock: Any) -> None:
+    try:
+        with dsl_lock if dsl_lock is not None else contextlib.nullcontext():
+            store(path, compiled)
+    finally:
+        _unlock(lock)
+
+
+def _lock(lock_path: Path) -> int | None:
+    """An exclusive advisory lock on ``lock_path`` (its descriptor), or None where locks are not
+    available (concurrent compiles are then wasted work, still safe)."""
     try:
         import fcntl
-    except ImportError:  # no advisory locks here: concurrent compiles are wasted work, still safe
-        yield
-        return
+    except ImportError:
+        return None
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
-        yield
-        return
-    try:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break  # (a holder stuck past any compile time: compile without the lock)
-                time.sleep(0.05)
-            except OSError:
-                break  # (no locks on this file system, e.g. NFS without lockd: compile unlocked)
-        yield
-    finally:
+        return None
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return fd  # (a holder stuck past any compile time: compile without the lock)
+            time.sleep(0.05)
+        except OSError:
+            return fd  # (no locks on this file system, e.g. NFS without lockd: compile unlocked)
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
         os.close(fd)  # (closing releases the lock; a process that dies releases it too)
 
 

@@ -150,7 +150,7 @@ def compile_kernel(cfg: KernelConfig, keep: bool = False) -> Any:
             if key is None:
                 fn = _compile(cfg, keep)
             else:
-                fn = disk_cache.fetch_or_compile(key, lambda: _compile(cfg, keep))
+                fn = disk_cache.fetch_or_compile(key, lambda: _compile(cfg, keep), dsl_lock=_lock)
             try:
                 fn._cf_keep = keep
             except AttributeError:

@@ -140,6 +140,7 @@ def _compile_one(cfg: jit.KernelConfig) -> tuple[str, float, bool]:
     try:
         t0 = time.perf_counter()
         jit.compile_kernel(cfg)
+        disk_cache.flush()
         return cfg.describe(), time.perf_counter() - t0, bool(compiled)
     finally:
         jit._compile = real
@@ -234,8 +235,8 @@ def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
     heads_q, heads_kv = args.heads or (32, 8)
     masks = [dict(causal=m != "none", window=m == "window", softcap=args.softcap) for m in args.mask]
     return [AttentionSpec(hdim=d, heads_q=heads_q, heads_kv=heads_kv, dtype=args.dtype or "bf16",
-                          varlen=varlen, backward=not args.no_bwd, deterministic=args.deterministic,
-                          **{**m, **_fp8_fields(args)})
+                          varlen=varlen, deterministic=args.deterministic,
+                          **{**m, "backward": not args.no_bwd, **_fp8_fields(args)})
             for d in args.hdim for m in masks for varlen in ((False, True) if args.varlen else (False,))]
 
 

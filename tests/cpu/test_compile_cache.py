@@ -43,24 +43,31 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
+def _compile(cfg):
+    """``jit.compile_kernel``, then wait for its cache entry to be written (a writer thread)."""
+    fn = jit.compile_kernel(cfg)
+    disk_cache.flush()
+    return fn
+
+
 def _fresh_process_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jit, "_cache", {})
 
 
 def test_a_compiled_variant_is_loaded_from_disk_by_the_next_process(cache_dir, compiles, monkeypatch) -> None:
-    fn = jit.compile_kernel(CFG)
+    fn = _compile(CFG)
     assert len(compiles) == 1 and callable(fn)
     assert [p.suffix for p in disk_cache.entries()] == [".cfk"]
     _fresh_process_cache(monkeypatch)
-    loaded = jit.compile_kernel(CFG)
+    loaded = _compile(CFG)
     assert len(compiles) == 1, "a cached variant was compiled again"
     assert callable(loaded) and loaded is not fn
-    assert jit.compile_kernel(CFG) is loaded  # (then held in memory)
+    assert _compile(CFG) is loaded  # (then held in memory)
 
 
 def test_variants_and_targets_have_their_own_entries(cache_dir, compiles, monkeypatch) -> None:
-    jit.compile_kernel(CFG)
-    jit.compile_kernel(OTHER)
+    _compile(CFG)
+    _compile(OTHER)
     assert len(disk_cache.entries()) == 2
     # A config with no target (the current device) shares the entry of what the DSL compiles
     # it for.
@@ -75,7 +82,7 @@ def test_variants_and_targets_have_their_own_entries(cache_dir, compiles, monkey
 def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir, compiles, monkeypatch, damage) -> None:
     import hashlib
 
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     (entry,) = disk_cache.entries()
     blob = entry.read_bytes()
     if damage == "truncated":
@@ -90,25 +97,25 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir, compiles, mon
     _fresh_process_cache(monkeypatch)
     if damage == "garbage_with_a_valid_digest":  # (a whole entry that does not link: said once)
         with pytest.warns(RuntimeWarning, match="did not load"):
-            assert callable(jit.compile_kernel(CFG))
+            assert callable(_compile(CFG))
     else:
-        assert callable(jit.compile_kernel(CFG))
+        assert callable(_compile(CFG))
     assert len(compiles) == 2, "a damaged entry must be compiled again"
     assert entry.read_bytes() == blob or disk_cache.load(entry) is not None, "the entry was not replaced"
     _fresh_process_cache(monkeypatch)
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     assert len(compiles) == 2, "the replaced entry did not load"
 
 
 def test_a_dsl_version_change_misses_instead_of_loading_stale_code(cache_dir, compiles, monkeypatch) -> None:
     import cutlass
 
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     first = disk_cache.entry_path(jit._disk_key(CFG))
     monkeypatch.setattr(cutlass, "__version__", cutlass.__version__ + ".post99")
     monkeypatch.setattr(disk_cache, "_fingerprint", None)
     _fresh_process_cache(monkeypatch)
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     assert len(compiles) == 2
     assert disk_cache.entry_path(jit._disk_key(CFG)) != first
     assert len(disk_cache.entries()) == 2
@@ -116,9 +123,9 @@ def test_a_dsl_version_change_misses_instead_of_loading_stale_code(cache_dir, co
 
 def test_the_cache_can_be_turned_off(cache_dir, compiles, monkeypatch) -> None:
     monkeypatch.setenv(disk_cache.CACHE_ENV, "0")
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     _fresh_process_cache(monkeypatch)
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     assert len(compiles) == 2
     assert not cache_dir.exists()
 
@@ -131,8 +138,22 @@ def test_an_unwritable_cache_folder_warns_and_still_compiles(tmp_path, compiles,
     monkeypatch.setattr(jit, "_cache", {})
     monkeypatch.setattr(disk_cache, "_warned", set())
     with pytest.warns(RuntimeWarning, match="not writable"):
-        assert callable(jit.compile_kernel(CFG))
+        assert callable(_compile(CFG))
     assert len(compiles) == 1
+
+
+def test_the_entry_is_written_after_the_function_is_handed_back(cache_dir, compiles, monkeypatch) -> None:
+    """The export (a tenth of a compile) is off the first call's path: a thread writes the entry
+    while the caller launches, holding the entry's lock until it is written."""
+    import threading
+
+    release, real_store = threading.Event(), disk_cache.store
+    monkeypatch.setattr(disk_cache, "store", lambda path, fn: release.wait(60) and real_store(path, fn))
+    fn = jit.compile_kernel(CFG)
+    assert callable(fn) and not disk_cache.entries()
+    release.set()
+    disk_cache.flush()
+    assert len(disk_cache.entries()) == 1 and disk_cache.load(disk_cache.entries()[0]) is not None
 
 
 def test_kept_artifacts_bypass_the_cache(cache_dir, compiles) -> None:
@@ -190,7 +211,7 @@ _FIRST_LOAD = textwrap.dedent("""
 def test_after_import_a_cached_variant_costs_only_its_link(cache_dir, compiles) -> None:
     """``import cute_flash`` loads the DSL, TVM-FFI, the runtime libraries and the fingerprint, so a
     fresh process's first cached variant is a read and an in-memory link (milliseconds)."""
-    jit.compile_kernel(CFG)
+    _compile(CFG)
     env = dict(os.environ, CUTE_FLASH_CACHE="1", CUTE_FLASH_CACHE_DIR=str(cache_dir))
     res = subprocess.run([sys.executable, "-c", _FIRST_LOAD], env=env, capture_output=True, text=True,
                          timeout=300)
