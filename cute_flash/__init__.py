@@ -5,8 +5,15 @@ the DSL, the kernel configs and the runtime that links cached kernels (the kerne
 traced when a variant is first compiled), so a launch of a cached variant costs milliseconds.
 """
 
-from cute_flash.api import attention, flash_attn_func, flash_attn_varlen_func, quantize_qkv
+from cute_flash.api import (
+    attention,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    quantize_qkv,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "flash_attn_func", "flash_attn_varlen_func", "quantize_qkv"]
+__all__ = ["__version__", "attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "quantize_qkv"]

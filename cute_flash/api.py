@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from cute_flash import ops as _ops  # (also registers torch.ops.cute_flash.*)
-from cute_flash import ops_fp8, validate
+from cute_flash import ops_fp8, ops_kvcache, validate
 from cute_flash.formats import FP8
 
 
@@ -149,3 +149,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         window = (-1, nq - nk)
     out = flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, window_size=window)
     return out.transpose(1, 2)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
+                            cache_leftpad: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of new queries over a KV cache, with flash-attn's semantics (inference: no autograd).
+
+    q (B, Nq, H, d) (Nq >= 1: decoding, speculative decoding, chunked prefill); k_cache / v_cache
+    (B_cache, N_cache, H_kv, d / dv), or with ``page_table`` (B, max_pages) int32 paged caches
+    (num_pages, page_size, H_kv, d / dv) where sequence b's key j lives in page
+    ``page_table[b, j // page_size]``. ``cache_seqlens`` (B,) int32 (or an int for every sequence):
+    the keys already cached; None = every cache row full. ``k`` / ``v`` (B, N_new, H_kv, d / dv):
+    new tokens written into the caches in place at ``cache_seqlens`` (after the call, the caller
+    adds N_new to its lengths); with ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2)
+    the new keys are rotated at positions ``cache_seqlens + i`` and q at the same positions when
+    causal or local (else all at ``cache_seqlens``), pairs interleaved (GPT-J) or halves
+    (``rotary_interleaved=False``, GPT-NeoX). ``cache_batch_idx`` (B,) int32: the cache row of each
+    sequence; ``cache_leftpad`` (B,) int32: keys before it are not part of the sequence (rotary
+    positions count from it). Attention runs over each sequence's keys ``[leftpad, cache_seqlens +
+    N_new)`` with causal / window masks bottom-right aligned to them, GQA, softcap.
+
+    ``num_splits``: 0 chooses how many CTAs share one sequence's keys from the shapes and the SM
+    count (never from the lengths on the device, so a captured CUDA graph replays correctly while
+    ``cache_seqlens`` changes); 1 never splits. Returns out (B, Nq, H, dv), or (out, lse) with lse
+    (B, H, Nq) float32.
+    """
+    flags = {"causal": causal, "rotary_interleaved": rotary_interleaved, "return_lse": return_lse}
+    validate.check_call({"q": q, "k_cache": k_cache, "v_cache": v_cache}, flags)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
+    out, lse = ops_kvcache.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                       cache_batch_idx, cache_leftpad, page_table, scale, bool(causal), wl,
+                                       wr, cap, bool(rotary_interleaved), num_splits)
+    return (out, lse) if return_lse else out

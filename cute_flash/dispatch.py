@@ -17,6 +17,7 @@ from cute_flash.ampere import config as sm80
 from cute_flash.hopper import bwd_config as sm90_bwd
 from cute_flash.hopper import fp8_config as fp8
 from cute_flash.hopper import fwd_config as sm90_fwd
+from cute_flash.hopper import kvcache_config as sm90_kvcache
 from cute_flash.problem import Problem
 from cute_flash.validate import SUPPORTED_HEAD_DIMS
 
@@ -172,6 +173,26 @@ def relayout_v_config(hdim: int, v_perm: bool, varlen: bool) -> jit.KernelConfig
     """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout."""
     return fp8.QuantizeConfig(target=None, dtype="e4m3", hdim=hdim, rotate=False, transpose=True,
                               phase="quant", v_perm=v_perm, varlen=varlen, v_aligned=varlen)
+
+
+def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, softcap: bool,
+                    batch: int, seqlen_q: int, capacity: int, heads_q: int, heads_kv: int, num_sms: int,
+                    q_dense: bool) -> Problem:
+    """Attention over a KV cache: ``capacity`` (the cache's keys per sequence) stands for the key
+    extent, so the plan never depends on the lengths on the device."""
+    return Problem(target=None, dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local,
+                   softcap=softcap, max_seqlen_q=seqlen_q, max_seqlen_k=capacity, heads_q=heads_q,
+                   heads_kv=heads_kv, batch=batch, num_sms=num_sms, q_dense=q_dense)
+
+
+def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool,
+                 num_splits: int = 0) -> sm90_kvcache.KVCachePlan:
+    """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: Hopper only."""
+    if not is_hopper(arch):
+        raise NotImplementedError(f"flash_attn_with_kvcache runs on Hopper GPUs (sm90); this one is {arch}")
+    if not sm90_fwd_supports(p.hdim, p.hdim_v):
+        raise ValueError(f"flash_attn_with_kvcache: no sm90 tile for head dims {p.hdim}/{p.hdim_v}")
+    return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, num_splits=num_splits)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,3 +51,30 @@ class SeqlenInfo:
         if cutlass.const_expr(self.varlen_q):
             return cute.domain_offset((self.offset_q,), mT[None, head_idx])
         return mT[None, head_idx, batch_idx]
+
+
+class CacheSeqlenInfo(SeqlenInfo):
+    """A KV cache's geometry for one batch: dense query rows; keys ``[leftpad, seqused)`` of cache
+    row ``cache_batch_idx[b]`` (or ``b``). The cache's (N_max, d, H, B) extent stays the TMA
+    tensor's, so the loads never run past the allocation; keys at or past ``seqused`` are masked
+    like any sequence end."""
+
+    def __init__(self, batch_idx: Int32, seqlen_q_static, mSeqUsedK: cute.Tensor,
+                 mCacheBatchIdx: cute.Tensor | None = None, mLeftPad: cute.Tensor | None = None):
+        self.varlen_q = False
+        self.varlen_k = mLeftPad is not None  # (k_rows shifts the row origin, as for packed keys)
+        self.offset_q = Int32(0)
+        self.seqlen_q = Int32(seqlen_q_static)
+        self.batch_k = batch_idx
+        if cutlass.const_expr(mCacheBatchIdx is not None):
+            self.batch_k = mCacheBatchIdx[batch_idx]
+        self.offset_k = Int32(0)
+        if cutlass.const_expr(mLeftPad is not None):
+            self.offset_k = mLeftPad[batch_idx]
+        self.seqlen_k = mSeqUsedK[batch_idx] - self.offset_k
+
+    def k_rows(self, mT: cute.Tensor, head_idx: Int32, batch_idx: Int32) -> cute.Tensor:
+        rows = mT[None, None, head_idx, self.batch_k]
+        if cutlass.const_expr(self.varlen_k):
+            return cute.domain_offset((self.offset_k, 0), rows)
+        return rows

@@ -116,6 +116,9 @@ class FlashFwdSm90:
         self.p_log2_offset = 0.0
         self.softmax_sums_rows = True  # (the FP8 kernel's ``sum_mma`` sums P on the tensor cores)
         self.softmax_exp_bytes = False  # (the FP8 kernel's ``exp_bytes``)
+        # O leaves through smem and a TMA store (dense) or predicated stores (varlen); the split
+        # KV-cache kernel writes fp32 partials from registers instead.
+        self.o_via_tma = not self.varlen
         elem = self.dtype.width // 8
         self.tx_Q = self.tile_m * self.hdim * elem
         self.tx_K = self.tile_n * self.hdim * elem
@@ -229,6 +232,10 @@ class FlashFwdSm90:
     def tile_offsets(self, seqlen: SeqlenInfo, extra: tuple, batch) -> None:
         """More per-sequence offsets a subclass reads from ``extra`` (FP8 varlen: V's); none here."""
 
+    def grid_batches(self, num_batch, extra: tuple):
+        """The scheduler's batch extent (the KV-cache kernel's splits multiply it)."""
+        return num_batch
+
     def output_scale(self, ctx, row_scale):
         """O's final per-row factor (1 / row sum; times V's descale for FP8)."""
         return row_scale
@@ -272,16 +279,19 @@ class FlashFwdSm90:
         # O goes out through a TMA store, which clips rows past the tensor's end. Packed (varlen)
         # outputs keep predicated stores: a box would run into the next batch's rows.
         tma_O, mO_out = None, mO
-        if cutlass.const_expr(self.pack > 1):
+        if cutlass.const_expr(not self.o_via_tma):
+            if cutlass.const_expr(self.pack > 1):
+                mO_out = pack_heads(mO, self.pack, head_mode=2)
+        elif cutlass.const_expr(self.pack > 1):
             tma_O, mO_out = self.packed_tma(cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout,
                                             self.hdim_v)
-        elif cutlass.const_expr(not self.varlen):
+        else:
             tma_O, mO_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                         self.sO_layout, (self.tile_m, self.hdim_v))
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         # Packed GQA: a grid row per KV head, ``pack`` times as many query rows.
         sched = TileScheduler.create(cute.ceil_div(seqlen_q * self.pack, self.tile_m),
-                                     num_head_q // self.pack, num_batch,
+                                     num_head_q // self.pack, self.grid_batches(num_batch, extra),
                                      mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
                                      lpt=self.is_causal or self.is_local, varlen=self.varlen,
                                      l2_sections=self.cfg.l2_sections)

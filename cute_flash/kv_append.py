@@ -1,0 +1,89 @@
+"""What ``flash_attn_with_kvcache`` does to the cache before attending: rotary embedding of the
+new keys and the queries, and the new keys / values written into the cache in place at
+``cache_seqlens``. Plain torch index ops on whatever device the tensors are on: they read no
+device data on the host, so they run inside a captured CUDA graph, and the GPU path and the
+reference (``reference_kvcache``) share them.
+
+Positions: a batch's cached keys are ``[leftpad, cache_seqlens)`` of its cache row (or of the
+pages ``page_table[b]`` lists, ``page_size`` keys each); new token ``i`` goes to slot
+``cache_seqlens + i`` and has rotary position ``cache_seqlens - leftpad + i``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def rotary_positions(base: Tensor, count: int, per_token: bool) -> Tensor:
+    """(B, count) int64 positions: ``base + i`` per token, or ``base`` for every token."""
+    steps = torch.arange(count, device=base.device, dtype=torch.int64) if per_token else \
+        torch.zeros(count, device=base.device, dtype=torch.int64)
+    return base.to(torch.int64)[:, None] + steps[None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """x (B, N, H, d) rotated on its first ``2 * cos.shape[1]`` channels at ``positions`` (B, N):
+    channel pairs (2i, 2i+1) when ``interleaved`` (GPT-J), else (i, i + r/2) (GPT-NeoX). fp32 math,
+    the result in x's dtype (as flash-attn's rotary kernel)."""
+    half = cos.shape[1]
+    c = cos.float()[positions].unsqueeze(2)  # (B, N, 1, r/2)
+    s = sin.float()[positions].unsqueeze(2)
+    xr = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def cache_slots(cache_seqlens: Tensor, count: int) -> Tensor:
+    """(B, count) int64 cache slots of the new tokens."""
+    return rotary_positions(cache_seqlens, count, per_token=True)
+
+
+def write_new(cache: Tensor, new: Tensor, slots: Tensor, rows: Tensor | None,
+              page_table: Tensor | None) -> None:
+    """``new`` (B, count, H, d) into ``cache`` at ``slots``: of cache rows ``rows`` (B,), or of the
+    pages ``page_table`` lists for a paged cache (num_pages, page_size, H, d)."""
+    if page_table is not None:
+        page_size = cache.shape[1]
+        pages = page_table.to(torch.int64).gather(1, slots // page_size)
+        cache.index_put_((pages, slots % page_size), new)
+        return
+    cache.index_put_((rows.to(torch.int64)[:, None], slots), new)
+
+
+def logical_cache(cache: Tensor, page_table: Tensor) -> Tensor:
+    """A paged cache (num_pages, page_size, H, d) as (B, max_pages * page_size, H, d) in each
+    batch's key order: a gathered copy."""
+    b, pages = page_table.shape
+    gathered = cache[page_table.to(torch.int64).reshape(-1)]
+    return gathered.reshape(b, pages * cache.shape[1], *cache.shape[2:])
+
+
+def append_and_rotate(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                      rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor,
+                      cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
+                      per_token_q: bool, interleaved: bool) -> Tensor:
+    """The new k / v (rotated when cos / sin are given) written into the caches in place; returns q,
+    rotated at the new tokens' positions when ``per_token_q`` (causal / local: query i is token
+    i) or all at the first new position (flash-attn's convention otherwise)."""
+    if k is None:
+        return q
+    if rotary_cos is not None:
+        base = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+        k = apply_rotary(k, rotary_cos, rotary_sin, rotary_positions(base, k.shape[1], True), interleaved)
+        q = apply_rotary(q, rotary_cos, rotary_sin, rotary_positions(base, q.shape[1], per_token_q),
+                         interleaved)
+    rows = None
+    if page_table is None:
+        rows = cache_batch_idx if cache_batch_idx is not None else \
+            torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
+    slots = cache_slots(cache_seqlens, k.shape[1])
+    write_new(k_cache, k, slots, rows, page_table)
+    write_new(v_cache, v, slots, rows, page_table)
+    return q

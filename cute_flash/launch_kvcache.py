@@ -1,0 +1,72 @@
+"""Launcher of attention over a KV cache: the append and rotary (``kv_append``, torch index ops),
+then the KV-cache kernel and, when the keys are split, the merge, all on torch's current stream.
+Nothing here reads device data or synchronises, so the whole call can be captured in a CUDA graph
+and replayed while ``cache_seqlens`` changes: the plan (variant, split count) depends on shapes
+only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_flash import dispatch, formats, jit, kv_append, launch
+from cute_flash.memo import HostMemo
+
+Tensor = torch.Tensor
+
+_PLANS = HostMemo(256)
+
+
+def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bool, local: bool,
+          softcap: float, batch_idx: bool, leftpad: bool, num_splits: int):
+    """(plan, compiled kernel, compiled merge or None) of one call's shapes."""
+    key = (q.dtype, tuple(q.shape), q.stride(), tuple(k_cache.shape[2:]), v_cache.shape[-1], capacity,
+           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, num_splits)
+    hit = _PLANS.get(key)
+    if hit is None:
+        p = dispatch.kvcache_problem(formats.dtype_name(q.dtype), q.shape[-1], v_cache.shape[-1],
+                                     causal=causal, local=local, softcap=softcap > 0.0, batch=q.shape[0],
+                                     seqlen_q=q.shape[1], capacity=capacity, heads_q=q.shape[2],
+                                     heads_kv=k_cache.shape[2], num_sms=launch.sm_count(q.device),
+                                     q_dense=launch.dense_bnhd(q))
+        plan = dispatch.kvcache_plan(jit.device_arch(q.device), p, batch_idx=batch_idx, leftpad=leftpad,
+                                     num_splits=num_splits)
+        merge = None if plan.combine is None else jit.compile_kernel(plan.combine)
+        hit = (plan, jit.compile_kernel(plan.config), merge)
+        _PLANS.put(key, hit)
+    return hit
+
+
+def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                    rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
+                    cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
+                    out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
+                    window_size: tuple[int, int], softcap: float, rotary_interleaved: bool,
+                    num_splits: int) -> None:
+    """On validated CUDA tensors: appends to the caches in place and writes ``out`` (B, Nq, H, dv)
+    and ``lse`` (B, H, Nq). A paged cache is gathered into each sequence's key order first (a copy
+    of the pages ``page_table`` lists)."""
+    causal, local, left, right = launch.normalize_window(causal, window_size)
+    batch = q.shape[0]
+    new = 0 if k is None else k.shape[1]
+    capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                    cache_batch_idx, cache_leftpad, page_table, causal or local,
+                                    rotary_interleaved)
+    if page_table is not None:
+        k_cache = kv_append.logical_cache(k_cache, page_table)
+        v_cache = kv_append.logical_cache(v_cache, page_table)
+    seqused = cache_seqlens + new if new else cache_seqlens
+    plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal, local, softcap,
+                            cache_batch_idx is not None, cache_leftpad is not None, num_splits)
+    scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 0.0, left, right, plan.num_splits)
+    if merge is None:
+        fn(q, k_cache, v_cache, out, lse, seqused, cache_batch_idx, cache_leftpad, *scalars)
+        return
+    splits = plan.num_splits
+    o_acc = torch.empty((batch * splits, *out.shape[1:]), dtype=torch.float32, device=q.device)
+    lse_acc = torch.empty((batch * splits, *lse.shape[1:]), dtype=torch.float32, device=q.device)
+    fn(q, k_cache, v_cache, o_acc, lse_acc, seqused, cache_batch_idx, cache_leftpad, *scalars)
+    merge(o_acc, lse_acc, out, lse, splits)
