@@ -25,12 +25,13 @@ def rotary_positions(base: Tensor, count: int, per_token: bool) -> Tensor:
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
     """x (B, N, H, d) rotated on its first ``2 * cos.shape[1]`` channels at ``positions`` (B, N):
-    channel pairs (2i, 2i+1) when ``interleaved`` (GPT-J), else (i, i + r/2) (GPT-NeoX). fp32 math,
-    the result in x's dtype (as flash-attn's rotary kernel)."""
+    channel pairs (2i, 2i+1) when ``interleaved`` (GPT-J), else (i, i + r/2) (GPT-NeoX). fp32 math
+    (fp64 for fp64 x), the result in x's dtype (as flash-attn's rotary kernel)."""
     half = cos.shape[1]
-    c = cos.float()[positions].unsqueeze(2)  # (B, N, 1, r/2)
-    s = sin.float()[positions].unsqueeze(2)
-    xr = x[..., :2 * half].float()
+    cdt = torch.promote_types(x.dtype, torch.float32)  # (fp64 inputs keep fp64: the references)
+    c = cos.to(cdt)[positions].unsqueeze(2)  # (B, N, 1, r/2)
+    s = sin.to(cdt)[positions].unsqueeze(2)
+    xr = x[..., :2 * half].to(cdt)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)

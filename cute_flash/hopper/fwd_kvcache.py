@@ -108,8 +108,9 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
             gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, out), (self.tile_m,), (ctx.m_block,))
             ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)
             gO = cute.local_tile(seqlen.q_rows(mO, head, out), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
-            tOgO = ctx.thr_pv.partition_C(gO)
+            # By (row, column) coordinate: a packed tile's rows ((pack, tokens)) need not split
+            # along the MMA's row partition (6 heads x 32 tokens of a 192-row tile do not).
             coords = ctx.thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v)))
             for i in cutlass.range_constexpr(cute.size(ctx.acc_O)):
                 if coords[i][0] < rows_left:
-                    tOgO[i] = ctx.acc_O[i]
+                    gO[coords[i]] = ctx.acc_O[i]

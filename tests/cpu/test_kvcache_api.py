@@ -1,0 +1,142 @@
+"""``flash_attn_with_kvcache`` as users reach it: the ``cute_flash::fwd_kvcache`` op (opcheck with
+the caches declared mutated, ``torch.compile(fullgraph=True)`` with the append seen by the caller),
+the errors bad arguments raise before anything is written, and the host plan (variant and split
+count) taken from shapes only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_flash import dispatch, flash_attn_with_kvcache
+
+BF = torch.bfloat16
+
+
+def _i32(*values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _bf(*shape) -> torch.Tensor:
+    return torch.randn(*shape, dtype=BF)
+
+
+def _call_args(batch: int = 2, capacity: int = 32, nq: int = 1, new: int = 1, h: int = 4, hkv: int = 2,
+               d: int = 64) -> dict:
+    return dict(q=_bf(batch, nq, h, d), k_cache=_bf(batch, capacity, hkv, d),
+                v_cache=_bf(batch, capacity, hkv, d), k=_bf(batch, new, hkv, d), v=_bf(batch, new, hkv, d),
+                cache_seqlens=torch.tensor([3, capacity - new][:batch], dtype=torch.int32))
+
+
+def test_opcheck_with_the_caches_mutated(seed: int) -> None:
+    a = _call_args()
+    cos, sin = torch.randn(64, 16), torch.randn(64, 16)
+    args = (a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], cos, sin, a["cache_seqlens"], None, None,
+            None, 0.125, True, -1, -1, 0.0, False, 0)
+    torch.library.opcheck(torch.ops.cute_flash.fwd_kvcache, args)
+
+
+def test_compiled_calls_append_like_eager_calls(seed: int) -> None:
+    a = _call_args()
+    eager_k, eager_v = a["k_cache"].clone(), a["v_cache"].clone()
+    lens = a["cache_seqlens"]
+    want = flash_attn_with_kvcache(a["q"], eager_k, eager_v, a["k"], a["v"], cache_seqlens=lens, causal=True)
+
+    def call(q, kc, vc, k, v, lens):
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+
+    fn = torch.compile(call, fullgraph=True)
+    kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+    got = fn(a["q"], kc, vc, a["k"], a["v"], a["cache_seqlens"])
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
+    assert not torch.equal(kc, a["k_cache"])
+
+
+def _bad(**changes):
+    a = _call_args()
+    a.update(changes)
+    return a
+
+
+def _paged(table: list, **more) -> dict:
+    return dict(k_cache=_bf(4, 16, 2, 64), v_cache=_bf(4, 16, 2, 64),
+                page_table=torch.tensor(table, dtype=torch.int32), **more)
+
+
+BAD_CALLS = {
+    "cache_seqlens past the cache": (ValueError, lambda: _bad(cache_seqlens=_i32(3, 32))),
+    "negative cache_seqlens": (ValueError, lambda: _bad(cache_seqlens=_i32(-1, 3))),
+    "int64 cache_seqlens": (TypeError, lambda: _bad(cache_seqlens=torch.tensor([3, 4]))),
+    "cache_seqlens of the wrong batch": (ValueError, lambda: _bad(cache_seqlens=_i32(3))),
+    "fp32 cache": (TypeError, lambda: _bad(k_cache=torch.randn(2, 32, 2, 64),
+                                           v_cache=torch.randn(2, 32, 2, 64))),
+    "k without v": (ValueError, lambda: _bad(v=None)),
+    "k of the wrong heads": (ValueError, lambda: _bad(k=_bf(2, 1, 4, 64))),
+    "append without cache_seqlens": (ValueError, lambda: _bad(cache_seqlens=None)),
+    "unsupported head dim": (ValueError, lambda: _bad(q=_bf(2, 1, 4, 48))),
+    "heads not a multiple": (ValueError, lambda: _bad(q=_bf(2, 1, 3, 64))),
+    "cache rows != batch": (ValueError, lambda: _bad(k_cache=_bf(3, 32, 2, 64), v_cache=_bf(3, 32, 2, 64))),
+    "cache_batch_idx out of range": (ValueError, lambda: _bad(cache_batch_idx=_i32(0, 2))),
+    "leftpad past the length": (ValueError, lambda: _bad(cache_leftpad=_i32(4, 0))),
+    "page past the pool": (ValueError, lambda: _bad(**_paged([[0, 1], [2, 4]]))),
+    "page_table with cache_batch_idx": (ValueError, lambda: _bad(**_paged([[0, 1], [2, 3]],
+                                                                          cache_batch_idx=_i32(0, 1)))),
+    "rotary table too short": (ValueError, lambda: _bad(rotary_cos=torch.randn(8, 16),
+                                                        rotary_sin=torch.randn(8, 16))),
+    "rotary wider than the head": (ValueError, lambda: _bad(rotary_cos=torch.randn(64, 40),
+                                                            rotary_sin=torch.randn(64, 40))),
+    "cos without sin": (ValueError, lambda: _bad(rotary_cos=torch.randn(64, 16))),
+    "negative num_splits": (ValueError, lambda: _bad(num_splits=-1)),
+    "non-contiguous head dim": (ValueError, lambda: _bad(q=_bf(2, 1, 4, 128)[..., ::2])),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_arguments_raise_before_the_cache_is_touched(name: str) -> None:
+    error, make = BAD_CALLS[name]
+    a = make()
+    before = (a["k_cache"].clone(), a["v_cache"].clone())
+    with pytest.raises(error):
+        flash_attn_with_kvcache(**a)
+    assert torch.equal(a["k_cache"], before[0]) and torch.equal(a["v_cache"], before[1])
+
+
+def test_rotary_without_new_tokens_is_refused() -> None:
+    a = _call_args()
+    with pytest.raises(ValueError, match="rotate the appended k"):
+        flash_attn_with_kvcache(a["q"], a["k_cache"], a["v_cache"], cache_seqlens=a["cache_seqlens"],
+                                rotary_cos=torch.randn(64, 16), rotary_sin=torch.randn(64, 16))
+
+
+def _plan(batch: int, nq: int, capacity: int, h: int = 32, hkv: int = 8, d: int = 128, num_splits: int = 0,
+          causal: bool = False):
+    p = dispatch.kvcache_problem("bf16", d, d, causal=causal, local=False, softcap=False, batch=batch,
+                                 seqlen_q=nq, capacity=capacity, heads_q=h, heads_kv=hkv, num_sms=132,
+                                 q_dense=True)
+    return dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, num_splits=num_splits)
+
+
+def test_long_context_decoding_splits_the_keys_over_the_sms() -> None:
+    plan = _plan(batch=1, nq=1, capacity=128 * 1024)
+    tiles = 8  # one packed tile per KV head
+    assert plan.config.pack_gqa == 4 and plan.config.split and plan.combine is not None
+    assert plan.num_splits * tiles <= 132 and plan.num_splits * tiles > 132 // 2
+
+
+def test_full_batches_and_short_caches_do_not_split() -> None:
+    assert _plan(batch=64, nq=1, capacity=4096).num_splits == 1
+    assert _plan(batch=1, nq=1, capacity=256).num_splits == 1  # too few key blocks to share
+    assert _plan(batch=1, nq=1, capacity=128 * 1024, num_splits=1).combine is None
+
+
+def test_speculative_queries_pack_the_group_while_they_fit_a_tile() -> None:
+    assert _plan(batch=1, nq=16, capacity=8192).config.pack_gqa == 4  # 64 rows
+    assert _plan(batch=1, nq=64, capacity=8192).config.pack_gqa == 1  # 256 rows: one head per tile
+
+
+def test_kvcache_runs_on_hopper_only() -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=False, local=False, softcap=False, batch=1,
+                                 seqlen_q=1, capacity=1024, heads_q=8, heads_kv=8, num_sms=108, q_dense=True)
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)

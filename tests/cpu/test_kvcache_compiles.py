@@ -1,0 +1,95 @@
+"""The KV-cache forward and the split merge compile for sm_90a on a CPU-only machine: the forward
+keeps the Hopper pipeline (wgmma, TMA loads, register reallocation), stays in registers, stores O
+through TMA when it does not split and writes fp32 partials from registers when it does (no TMA
+store); the merge reads the partials with no local memory. (On a Hopper GPU:
+``tests/gpu/test_kvcache_matches_reference.py``.)"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from cute_flash import jit
+from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT
+from cute_flash.hopper.kvcache_config import FwdCombineConfig, FwdSm90KVCacheConfig
+from cute_flash.tools import inspect as ins
+
+
+def _kv(**kw) -> FwdSm90KVCacheConfig:
+    base = dict(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128)
+    base.update(kw)
+    return FwdSm90KVCacheConfig(**base)
+
+
+# Decoding with GQA 32 / 8 split over the SMs (what long-context serving runs most) in the fast tier.
+FAST = _kv(pack_gqa=4, split=True, causal=True)
+VARIANTS = [
+    FAST,
+    _kv(pack_gqa=4),
+    _kv(split=True, batch_idx=True, leftpad=True),
+    _kv(pack_gqa=8, split=True, local=True, softcap=True),
+    _kv(dtype="fp16", hdim=64, hdim_v=64, pack_gqa=6, split=True),
+    _kv(hdim=256, hdim_v=256, pack_gqa=2, split=True, causal=True),
+]
+
+
+def _id(cfg: FwdSm90KVCacheConfig) -> str:
+    flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
+    return f"{cfg.dtype}-d{cfg.hdim}-pack{cfg.pack_gqa}-" + "-".join(flags or ["plain"])
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx, flags=re.M))
+
+
+def _no_local_memory(ptx: str, cubin: bytes) -> None:
+    assert _count(ptx, r"^\s*(?:@!?%p\d+\s+)?(ld|st)\.local") == 0
+    if ins.tools_dir() is None:
+        return
+    _, usage = ins.cubin_sass_and_usage(cubin)
+    for fn, res in usage.items():
+        assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, (fn, res)
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=_id(c), marks=() if c == FAST else pytest.mark.slow)
+                                 for c in VARIANTS])
+def test_kvcache_forward_compiles(cfg: FwdSm90KVCacheConfig) -> None:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    smem = ins.dynamic_smem_from_ir(str(jit.compile_kernel(cfg, keep=True).ir_module))
+    assert smem and max(smem.values()) <= SM90_SMEM_LIMIT, smem
+    tma_loads = r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global"
+    for op in (r"wgmma\.mma_async", tma_loads, r"setmaxnreg\.inc"):
+        assert _count(ptx, op) > 0, op
+    tma_stores = _count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
+    if cfg.split:
+        # Partials leave from registers as fp32: no TMA store, 32-bit global stores.
+        assert tma_stores == 0
+        assert _count(ptx, r"st\.global\.v2\.b32") > 0
+    else:
+        assert tma_stores > 0
+    if cfg.batch_idx or cfg.leftpad:
+        # cache_batch_idx / cache_leftpad are read per tile, beside cache_seqlens.
+        plain, _ = jit.compile_artifacts(replace(cfg, batch_idx=False, leftpad=False))
+        assert _count(ptx, r"ld\.global") > _count(plain, r"ld\.global") > 0
+    _no_local_memory(ptx, cubin)
+
+
+@pytest.mark.parametrize("dtype,hdim_v", [("bf16", 128), pytest.param("fp16", 64, marks=pytest.mark.slow),
+                                          pytest.param("bf16", 256, marks=pytest.mark.slow)])
+def test_split_merge_compiles(dtype: str, hdim_v: int) -> None:
+    ptx, cubin = jit.compile_artifacts(FwdCombineConfig(target="sm_90a", dtype=dtype, hdim_v=hdim_v))
+    # Warp reductions of the split LSEs (max, then sum of exponentials) and a log for the merged LSE.
+    assert _count(ptx, r"shfl\.sync") >= 10
+    assert _count(ptx, r"ex2\.approx") > 0 and _count(ptx, r"lg2\.approx") > 0
+    _no_local_memory(ptx, cubin)
+
+
+def test_kvcache_configs_are_dense_one_cta_per_tile() -> None:
+    with pytest.raises(ValueError):
+        _kv(varlen=True)
+    with pytest.raises(ValueError):
+        _kv(num_ctas=132)
+    with pytest.raises(ValueError):
+        FwdCombineConfig(target="sm_90a", hdim_v=80)
