@@ -1,0 +1,177 @@
+"""``flash_attn_with_kvcache`` on a Hopper GPU against the fp64 reference, under the 2x rule
+(error at most twice the same PyTorch math in the input dtype, + 1e-5): ragged ``cache_seqlens``
+(0 and a full cache included), GQA ratios, rotary on and off, append on and off, paged caches of
+several page sizes, cache rows and left padding, forced and planned split counts. Cache slots no
+sequence owns hold NaN, so a kernel that reads past a sequence's end shows it. A CUDA graph
+captured once replays correctly while ``cache_seqlens`` changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cute_flash import flash_attn_with_kvcache, kv_append
+from cute_flash.reference_kvcache import kvcache_attention_ref
+
+from attention_checks import FLOOR_FWD, assert_lse_rule, assert_rule, needs_hopper
+
+pytestmark = [pytest.mark.gpu, needs_hopper]
+
+
+@dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]  # cached keys per sequence before the call
+    capacity: int
+    nq: int = 1
+    new: int = 1
+    h: int = 32
+    hkv: int = 8
+    d: int = 128
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    rotary: str = ""  # "", "gptj" (interleaved pairs), "neox" (halves)
+    page_size: int = 0
+    batch_idx: bool = False
+    leftpad: bool = False
+    num_splits: int = 0
+    dtype: torch.dtype = torch.bfloat16
+
+
+CASES = [
+    Case(lens=(0, 1, 777, 2047), capacity=2048, rotary="gptj"),  # empty, one key, ragged, full
+    Case(lens=(0, 1, 777, 2047), capacity=2048, rotary="neox", num_splits=1),
+    Case(lens=(5000, 17, 8191), capacity=8192, num_splits=7),
+    Case(lens=(30000,), capacity=32768, rotary="gptj"),  # one sequence, split over the SMs
+    Case(lens=(100, 3000, 0), capacity=4096, page_size=16),
+    Case(lens=(100, 3000, 0), capacity=4096, page_size=64, rotary="neox"),
+    Case(lens=(100, 3000, 4095), capacity=4096, page_size=256),
+    Case(lens=(63, 500), capacity=1024, nq=4, new=4, h=8, hkv=1),  # speculative, 8 heads a KV head
+    Case(lens=(0, 600), capacity=1024, nq=300, new=300, h=4, hkv=4, d=128),  # chunked prefill
+    Case(lens=(40, 900), capacity=1024, new=0, batch_idx=True, leftpad=True, causal=False),
+    Case(lens=(700, 1500), capacity=2048, new=2, nq=2, h=12, hkv=2, d=64, window=(256, 0), softcap=20.0,
+         rotary="gptj", batch_idx=True, causal=False),
+    Case(lens=(3000, 10), capacity=4096, h=4, hkv=2, d=256, leftpad=True, rotary="neox"),
+    Case(lens=(1234, 2), capacity=2048, h=16, hkv=16, d=64, causal=False, dtype=torch.float16),
+]
+
+
+def _id(c: Case) -> str:
+    parts = [f"B{len(c.lens)}", f"cap{c.capacity}", f"q{c.nq}", f"new{c.new}", f"h{c.h}/{c.hkv}", f"d{c.d}"]
+    parts += [f for f in ("causal", "batch_idx", "leftpad") if getattr(c, f)]
+    parts += [f"win{c.window[0]}"] if c.window != (-1, -1) else []
+    parts += [f"cap{c.softcap:g}"] if c.softcap else []
+    parts += [c.rotary] if c.rotary else []
+    parts += [f"page{c.page_size}"] if c.page_size else []
+    parts += [f"split{c.num_splits}"] if c.num_splits else []
+    return "-".join(parts)
+
+
+def _setup(c: Case) -> dict:
+    """Inputs of one call; every cache slot no sequence owns (past its length, before its left
+    padding, pages of no sequence, rows no sequence uses) is NaN."""
+    dev, dt, b = "cuda", c.dtype, len(c.lens)
+    lens = torch.tensor(c.lens, dtype=torch.int32, device=dev)
+    rows = b + 2 if c.batch_idx else b
+    kc = torch.full((rows, c.capacity, c.hkv, c.d), float("nan"), dtype=dt, device=dev)
+    vc = torch.full_like(kc, float("nan"))
+    pad = torch.tensor([n // 3 for n in c.lens], dtype=torch.int32, device=dev) if c.leftpad else None
+    batch_idx = torch.randperm(rows, device=dev)[:b].to(torch.int32) if c.batch_idx else None
+    for i, n in enumerate(c.lens):
+        r = int(batch_idx[i]) if c.batch_idx else i
+        start = int(pad[i]) if c.leftpad else 0
+        kc[r, start:n] = torch.randn(n - start, c.hkv, c.d, dtype=dt, device=dev)
+        vc[r, start:n] = torch.randn(n - start, c.hkv, c.d, dtype=dt, device=dev)
+    page_table = None
+    if c.page_size:
+        per_seq = c.capacity // c.page_size
+        pool = 2 * b * per_seq
+        page_table = torch.randperm(pool, device=dev)[:b * per_seq].reshape(b, per_seq).to(torch.int32)
+        k_pages = torch.full((pool, c.page_size, c.hkv, c.d), float("nan"), dtype=dt, device=dev)
+        v_pages = torch.full_like(k_pages, float("nan"))
+        for i in range(b):
+            k_pages[page_table[i].long()] = kc[i].reshape(per_seq, c.page_size, c.hkv, c.d)
+            v_pages[page_table[i].long()] = vc[i].reshape(per_seq, c.page_size, c.hkv, c.d)
+        kc, vc = k_pages, v_pages
+    cos = sin = None
+    if c.rotary:
+        angle = torch.rand(c.capacity + c.nq, c.d // 4, device=dev) * 6.2832  # rotary_dim = d / 2
+        cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+    new = c.new
+    return dict(q=torch.randn(b, c.nq, c.h, c.d, dtype=dt, device=dev), k_cache=kc, v_cache=vc,
+                k=torch.randn(b, new, c.hkv, c.d, dtype=dt, device=dev) if new else None,
+                v=torch.randn(b, new, c.hkv, c.d, dtype=dt, device=dev) if new else None,
+                rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, cache_batch_idx=batch_idx,
+                cache_leftpad=pad, page_table=page_table)
+
+
+def _reference(c: Case, a: dict) -> tuple[tuple, tuple, dict]:
+    """(fp64 out, lse), (same-dtype out, lse), and the caches after the append: the append and
+    rotary in the input dtype (what the caches store), then attention over the appended caches."""
+    kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+    per_token = c.causal or c.window != (-1, -1)
+    index = (a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["page_table"])
+    q = kv_append.append_and_rotate(a["q"], kc, vc, a["k"], a["v"], a["rotary_cos"], a["rotary_sin"], *index,
+                                    per_token, c.rotary != "neox")
+    rest = dict(cache_seqlens=a["cache_seqlens"] + c.new, cache_batch_idx=a["cache_batch_idx"],
+                cache_leftpad=a["cache_leftpad"], page_table=a["page_table"], causal=c.causal,
+                window_size=c.window, softcap=c.softcap)
+    ref = kvcache_attention_ref(q.double(), kc.double(), vc.double(), **rest)
+    same = kvcache_attention_ref(q, kc, vc, upcast=False, **rest)
+    return ref, same, dict(k_cache=kc, v_cache=vc)
+
+
+def _poison_free_memory(nbytes: int) -> None:
+    """NaN into blocks the caching allocator hands out next (the outputs and split partials), so
+    an element the kernels never write shows as NaN."""
+    block = torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), dtype=torch.float32, device="cuda")
+    del block
+
+
+def _call(c: Case, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_with_kvcache(**a, causal=c.causal, window_size=c.window, softcap=c.softcap,
+                                   rotary_interleaved=c.rotary != "neox", num_splits=c.num_splits,
+                                   return_lse=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kvcache_matches_the_fp64_reference(case: Case, seed: int) -> None:
+    a = _setup(case)
+    ref, same, appended = _reference(case, a)
+    _poison_free_memory(a["q"].numel() * 64)
+    out, lse = _call(case, a)
+    # The append wrote exactly what the reference's append wrote (NaN slots compare equal as NaN).
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(a[name].nan_to_num(7.0), appended[name].nan_to_num(7.0)), name
+    assert_rule("out", out, ref[0], same[0].to(case.dtype), FLOOR_FWD, seed, _id(case))
+    assert_lse_rule(lse, ref[1].float(), same[1], seed, _id(case))
+
+
+def test_a_captured_graph_replays_over_changing_cache_seqlens(seed: int) -> None:
+    case = Case(lens=(100, 2000), capacity=4096, rotary="gptj")
+    a = _setup(case)
+    # Finite data everywhere: the replays move the sequence ends over slots written before.
+    a["k_cache"].normal_()
+    a["v_cache"].normal_()
+    base_k, base_v = a["k_cache"].clone(), a["v_cache"].clone()
+    lens = a["cache_seqlens"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _call(case, a)  # warm-up: compiles and checks the call outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _call(case, a)
+    for new_lens in ((0, 4095), (1, 1), (3071, 17), (100, 2000)):
+        a["k_cache"].copy_(base_k)
+        a["v_cache"].copy_(base_v)
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        ref, same, _ = _reference(case, {**a, "k_cache": base_k, "v_cache": base_v})
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rule("out", out, ref[0], same[0].to(case.dtype), FLOOR_FWD, seed, new_lens)
+        assert_lse_rule(lse, ref[1].float(), same[1], seed, new_lens)
