@@ -185,14 +185,15 @@ def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: 
                    heads_kv=heads_kv, batch=batch, num_sms=num_sms, q_dense=q_dense)
 
 
-def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool,
+def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
                  num_splits: int = 0) -> sm90_kvcache.KVCachePlan:
     """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: Hopper only."""
     if not is_hopper(arch):
         raise NotImplementedError(f"flash_attn_with_kvcache runs on Hopper GPUs (sm90); this one is {arch}")
     if not sm90_fwd_supports(p.hdim, p.hdim_v):
         raise ValueError(f"flash_attn_with_kvcache: no sm90 tile for head dims {p.hdim}/{p.hdim_v}")
-    return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, num_splits=num_splits)
+    return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
+                             num_splits=num_splits)
 
 
 # ---------------------------------------------------------------------------------------------

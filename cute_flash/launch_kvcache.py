@@ -18,10 +18,10 @@ _PLANS = HostMemo(256)
 
 
 def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bool, local: bool,
-          softcap: float, batch_idx: bool, leftpad: bool, num_splits: int):
+          softcap: float, batch_idx: bool, leftpad: bool, page_size: int, num_splits: int):
     """(plan, compiled kernel, compiled merge or None) of one call's shapes."""
     key = (q.dtype, tuple(q.shape), q.stride(), tuple(k_cache.shape[2:]), v_cache.shape[-1], capacity,
-           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, num_splits)
+           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits)
     hit = _PLANS.get(key)
     if hit is None:
         p = dispatch.kvcache_problem(formats.dtype_name(q.dtype), q.shape[-1], v_cache.shape[-1],
@@ -30,7 +30,7 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
                                      heads_kv=k_cache.shape[2], num_sms=launch.sm_count(q.device),
                                      q_dense=launch.dense_bnhd(q))
         plan = dispatch.kvcache_plan(jit.device_arch(q.device), p, batch_idx=batch_idx, leftpad=leftpad,
-                                     num_splits=num_splits)
+                                     page_size=page_size, num_splits=num_splits)
         merge = None if plan.combine is None else jit.compile_kernel(plan.combine)
         hit = (plan, jit.compile_kernel(plan.config), merge)
         _PLANS.put(key, hit)
@@ -44,8 +44,7 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
                     window_size: tuple[int, int], softcap: float, rotary_interleaved: bool,
                     num_splits: int) -> None:
     """On validated CUDA tensors: appends to the caches in place and writes ``out`` (B, Nq, H, dv)
-    and ``lse`` (B, H, Nq). A paged cache is gathered into each sequence's key order first (a copy
-    of the pages ``page_table`` lists)."""
+    and ``lse`` (B, H, Nq). A paged cache is read in place, page by page, by the kernel."""
     causal, local, left, right = launch.normalize_window(causal, window_size)
     batch = q.shape[0]
     new = 0 if k is None else k.shape[1]
@@ -55,18 +54,17 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, page_table, causal or local,
                                     rotary_interleaved)
-    if page_table is not None:
-        k_cache = kv_append.logical_cache(k_cache, page_table)
-        v_cache = kv_append.logical_cache(v_cache, page_table)
     seqused = cache_seqlens + new if new else cache_seqlens
+    page_size = 0 if page_table is None else k_cache.shape[1]
     plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal, local, softcap,
-                            cache_batch_idx is not None, cache_leftpad is not None, num_splits)
+                            cache_batch_idx is not None, cache_leftpad is not None, page_size, num_splits)
+    index = (seqused, cache_batch_idx, cache_leftpad, page_table)
     scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 0.0, left, right, plan.num_splits)
     if merge is None:
-        fn(q, k_cache, v_cache, out, lse, seqused, cache_batch_idx, cache_leftpad, *scalars)
+        fn(q, k_cache, v_cache, out, lse, *index, *scalars)
         return
     splits = plan.num_splits
     o_acc = torch.empty((batch * splits, *out.shape[1:]), dtype=torch.float32, device=q.device)
     lse_acc = torch.empty((batch * splits, *lse.shape[1:]), dtype=torch.float32, device=q.device)
-    fn(q, k_cache, v_cache, o_acc, lse_acc, seqused, cache_batch_idx, cache_leftpad, *scalars)
+    fn(q, k_cache, v_cache, o_acc, lse_acc, *index, *scalars)
     merge(o_acc, lse_acc, out, lse, splits)

@@ -181,8 +181,15 @@ class FlashFwdSm90:
         """The (N, d, H, B) V view the TMA atom is built on."""
         return mV
 
+    def k_box(self) -> tuple:
+        return (self.tile_n, self.hdim)
+
     def v_box(self) -> tuple:
         return (self.tile_n, self.hdim_v)
+
+    def kv_box_layout(self, s_layout, cols: int):
+        """The smem layout one K / V TMA box fills: a whole stage here (a page of it when paged)."""
+        return cute.select(s_layout, mode=[0, 1])
 
     def v_blocks(self, mV: cute.Tensor, seqlen: SeqlenInfo, head_kv, batch) -> cute.Tensor:
         """V blocks of one KV head, block index last (the TMA partition's)."""
@@ -272,10 +279,10 @@ class FlashFwdSm90:
             mLSE = pack_heads(mLSE, self.pack, head_mode=1)
         else:
             tma_Q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.tile_m, self.hdim))
-        tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(self.sK_layout, mode=[0, 1]),
-                                                    (self.tile_n, self.hdim))
-        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, self.v_source(mV),
-                                                    cute.select(self.sV_layout, mode=[0, 1]), self.v_box())
+        tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.kv_box_layout(self.sK_layout, self.hdim),
+                                                    self.k_box())
+        v_layout = self.kv_box_layout(self.sV_layout, self.hdim_v)
+        tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, self.v_source(mV), v_layout, self.v_box())
         # O goes out through a TMA store, which clips rows past the tensor's end. Packed (varlen)
         # outputs keep predicated stores: a box would run into the next batch's rows.
         tma_O, mO_out = None, mO

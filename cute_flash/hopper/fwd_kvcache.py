@@ -10,6 +10,10 @@ The split count is a kernel argument chosen on the host from the shapes (never f
 on the device), and each split's share is computed in the kernel from the actual length, so a
 captured CUDA graph stays valid while ``cache_seqlens`` changes.
 
+A paged cache (num_pages, page_size, H_kv, d) is read in place: the TMA descriptors are built on
+the page pool, and each K / V block is ``tile_n / page_box`` boxes (whole pages, or the part of a
+page the block covers), each box at the page the page table gives for its first key.
+
 A cache slot past a sequence's end holds whatever the caller left there (stale keys, or never
 written memory that may not even be a finite number): its scores are masked, and the V rows of
 the one block that straddles the end are zeroed in shared memory before P V reads them (0 x NaN
@@ -21,6 +25,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.seqlen import CacheSeqlenInfo
@@ -35,18 +40,31 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
         super().__init__(cfg)
         self.split = cfg.split
         self.o_via_tma = not self.split
+        self.page_size, self.page_box = cfg.page_size, cfg.page_box
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
-                 mLeftPad: cute.Tensor | None, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, num_splits: Int32, stream):
+                 mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, softmax_scale: Float32,
+                 softcap: Float32, window_left: Int32, window_right: Int32, num_splits: Int32, stream):
         """``mO`` / ``mLSE``: (B, N, H, d_v) / (B, H, N) in the output dtype, or with ``split`` the
-        fp32 partials (B * num_splits, N, H, d_v) / (B * num_splits, H, N), batch-major."""
-        extra = (mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits)
+        fp32 partials (B * num_splits, N, H, d_v) / (B * num_splits, H, N), batch-major. Paged:
+        ``mK`` / ``mV`` (num_pages, page_size, H_kv, d) and ``mPageTable`` (B, max_pages)."""
+        extra = (mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable)
         # (The tile counter is never read: the grid is one CTA per tile.)
         self._launch(mQ, mK, mV, mO, mLSE, None, None, softmax_scale, softcap, window_left, window_right,
                      Int32(0), mSeqUsedK, extra, stream)
+
+    def k_box(self) -> tuple:
+        return (self.page_box, self.hdim)
+
+    def v_box(self) -> tuple:
+        return (self.page_box, self.hdim_v)
+
+    def kv_box_layout(self, s_layout, cols: int):
+        if cutlass.const_expr(self.page_size == 0):
+            return FlashFwdSm90.kv_box_layout(self, s_layout, cols)
+        return self._smem(self.page_box, cols, None)
 
     def grid_batches(self, num_batch, extra: tuple):
         if cutlass.const_expr(self.split):
@@ -57,7 +75,7 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
     def tile_work(self, mQ, mK, geo, tile_idx):
         masked = self.is_causal or self.is_local
         m_block, head, batch_split = TileScheduler.tile(geo.sched_params, tile_idx, masked, False)
-        mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits = geo.extra
+        mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable = geo.extra
         batch, split = batch_split, Int32(0)
         if cutlass.const_expr(self.split):
             batch = batch_split // num_splits
@@ -65,6 +83,7 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
         seqlen = CacheSeqlenInfo(batch, seqlen_q, mSeqUsedK, mCacheBatchIdx, mLeftPad)
         seqlen.out_batch = batch_split
+        seqlen.page_table = mPageTable
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                geo.window_left, geo.window_right, pack=self.pack)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
@@ -114,3 +133,62 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
             for i in cutlass.range_constexpr(cute.size(ctx.acc_O)):
                 if coords[i][0] < rows_left:
                     gO[coords[i]] = ctx.acc_O[i]
+
+    # ------------------------------------------------------------------------------------------
+    # Paged cache: every K / V block is whole pages or part of one, each box at its page
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen, m_block, head, batch,
+             n_block_min, n_block_max, q_state, k_state, v_state):
+        if cutlass.const_expr(self.page_size == 0):
+            return FlashFwdSm90.load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen, m_block,
+                                     head, batch, n_block_min, n_block_max, q_state, k_state, v_state)
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        k_src = (tma_K, mK, smem.sK, self.hdim, pipes.k)
+        v_src = (tma_V, mV, smem.sV, self.hdim_v, pipes.v)
+        # The order of the contiguous load: K first, then Q, then K(n-1) ahead of V(n).
+        n_block = n_block_max - 1
+        if n_block_max > n_block_min:
+            self.load_pages(k_src, k_state, n_block, head_kv, batch, seqlen)
+            k_state.advance()
+        self.acquire_empty(pipes.q, q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
+        q_state.advance()
+        if n_block_max > n_block_min:
+            for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
+                self.load_pages(k_src, k_state, n_block - 1, head_kv, batch, seqlen)
+                k_state.advance()
+                self.load_pages(v_src, v_state, n_block, head_kv, batch, seqlen)
+                v_state.advance()
+                n_block -= 1
+            self.load_pages(v_src, v_state, n_block, head_kv, batch, seqlen)
+            v_state.advance()
+        return q_state, k_state, v_state
+
+    @cute.jit
+    def load_pages(self, src, state, n_block: Int32, head_kv, batch, seqlen):
+        """Block ``n_block`` of K or V into its stage: ``tile_n / page_box`` boxes, each from the page
+        the page table gives for its first key. Boxes past the table's last page read that page
+        again (keys past the sequence end are masked, their V rows zeroed in ``first_half``) so
+        the stage's transaction count always completes."""
+        tma, mX, sX, cols, pipe = src
+        n_boxes = self.tile_n // self.page_box
+        # Lane j looks up box j's page (one load latency for the block, one register per lane);
+        # the copies below take it with a shuffle.
+        lane_key = n_block * self.tile_n + (cute.arch.lane_idx() % n_boxes) * self.page_box
+        last_page = seqlen.page_table.shape[1] - 1
+        lane_page = seqlen.page_table[batch, cutlass.min(lane_key // self.page_size, last_page)]
+        self.acquire_empty(pipe, state)
+        boxes = cute.flat_divide(sX, (self.page_box, cols))  # (box, cols, tile_n / box, 1, stages)
+        for j in cutlass.range_constexpr(n_boxes):
+            key = n_block * self.tile_n + j * self.page_box
+            page = cute.arch.shuffle_sync(lane_page, j)
+            gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_box, cols), (None, 0))
+            tXsX, tXgX = cpasync.tma_partition(tma, 0, cute.make_layout(1),
+                                               cute.group_modes(boxes[None, None, j, 0, None], 0, 2),
+                                               cute.group_modes(gX, 0, 2))
+            cute.copy(tma, tXgX[None, (key % self.page_size) // self.page_box], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))

@@ -19,6 +19,16 @@ MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 
 
+def paged_tile_n(page_size: int, d: int, masked: bool) -> int:
+    """The tuned tile_n of head dim ``d``, or the largest multiple of 16 below it that divides a page
+    or that a page divides (a K / V block is then whole pages, or part of one)."""
+    tile_n = sm90_tile(d, masked)[1]
+    for n in range(tile_n, 15, -16):
+        if page_size % n == 0 or n % page_size == 0:
+            return n
+    return 16
+
+
 @dataclass(frozen=True)
 class FwdSm90KVCacheConfig(FwdSm90Config):
     """``split``: the split-KV variant (fp32 partials, merged by ``FwdCombineConfig``'s kernel);
@@ -27,13 +37,32 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
     split: bool = False
     batch_idx: bool = False
     leftpad: bool = False
+    # Paged cache (num_pages, page_size, H_kv, d): K / V blocks arrive page by page through TMA,
+    # boxes of min(page_size, tile_n) rows; 0: a contiguous cache.
+    page_size: int = 0
 
     kernel_name = "fwd_sm90_kvcache"
 
     def __post_init__(self) -> None:
+        if self.page_size:
+            if self.page_size % 16 != 0:
+                raise ValueError(f"paged KV: page_size must be a multiple of 16, got {self.page_size}")
+            if self.batch_idx or self.leftpad:
+                raise ValueError("paged KV: the page table already maps sequences to their keys")
+            if not self.tile_n:
+                object.__setattr__(self, "tile_n", paged_tile_n(self.page_size, max(self.hdim, self.hdim_v),
+                                                                self.causal or self.local))
         super().__post_init__()
         if self.varlen or self.num_ctas:
             raise ValueError("the KV-cache forward is dense with one CTA per tile")
+        if self.page_size and self.page_size % self.tile_n != 0 and self.tile_n % self.page_size != 0:
+            raise ValueError(f"paged KV: tile_n {self.tile_n} and page_size {self.page_size} must divide "
+                             "one another")
+
+    @property
+    def page_box(self) -> int:
+        """Rows of one K / V TMA box: a page, or the part of a page one block takes."""
+        return min(self.page_size, self.tile_n) if self.page_size else self.tile_n
 
     def build(self):
         from cute_flash.hopper.fwd_kvcache import FlashFwdSm90KVCache
@@ -41,11 +70,13 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
         return FlashFwdSm90KVCache(self)
 
     def fake_args(self) -> tuple:
-        """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, softmax_scale, softcap,
-        window_left, window_right, num_splits, stream); ``o`` / ``lse`` fp32 partials with ``split``."""
+        """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, softmax_scale,
+        softcap, window_left, window_right, num_splits, stream); ``o`` / ``lse`` fp32 partials with
+        ``split``."""
         dt, f32, i32 = jit.DTYPES[self.dtype], cutlass.Float32, cutlass.Int32
         div = jit.vec_div(dt)
-        b, bo, bc, nq, nk, h, hkv = (jit.sym() for _ in range(7))
+        b, bo, bc, nq, nk, h, hkv, pages = (jit.sym() for _ in range(8))
+        nk = self.page_size or nk  # (paged: bc counts pages)
         q = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div)
         k = jit.fake_tensor(dt, (bc, nk, hkv, self.hdim), divisibility=div)
         v = jit.fake_tensor(dt, (bc, nk, hkv, self.hdim_v), divisibility=div)
@@ -54,7 +85,9 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
         lse = jit.fake_tensor(f32, (bo, h, nq), divisibility=1)
         per_batch = [jit.fake_tensor(i32, (b,), leading_dim=0) if on else None
                      for on in (True, self.batch_idx, self.leftpad)]
-        return (q, k, v, o, lse, *per_batch, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1), jit.fake_stream())
+        table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if self.page_size else None
+        return (q, k, v, o, lse, *per_batch, table, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
+                jit.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -92,13 +125,16 @@ class KVCachePlan:
     combine: FwdCombineConfig | None
 
 
-def plan(p: Problem, *, batch_idx: bool, leftpad: bool, num_splits: int = 0) -> KVCachePlan:
+def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
+         num_splits: int = 0) -> KVCachePlan:
     """The variant and split count of one call, from shapes only: ``p.max_seqlen_k`` is the cache's
     capacity plus the appended tokens, never the lengths on the device, so a CUDA graph captured
     with this plan stays valid while ``cache_seqlens`` changes. ``num_splits`` > 0 forces a count
-    (clipped to the key blocks)."""
+    (clipped to the key blocks). ``page_size`` > 0: a paged cache."""
     d = max(p.hdim, p.hdim_v)
     tile_m, tile_n = sm90_tile(d, p.masked)[:2]
+    if page_size:
+        tile_n = paged_tile_n(page_size, d, p.masked)
     pack = p.heads_q // p.heads_kv
     pack = pack if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense else 1
     tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
@@ -109,6 +145,6 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, num_splits: int = 0) -> 
     split = num_splits > 1
     cfg = FwdSm90KVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
                                local=p.local, softcap=p.softcap, pack_gqa=pack, split=split,
-                               batch_idx=batch_idx, leftpad=leftpad)
+                               batch_idx=batch_idx, leftpad=leftpad, page_size=page_size)
     combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if split else None
     return KVCachePlan(cfg, num_splits, combine)

@@ -88,6 +88,9 @@ BAD_CALLS = {
                                                             rotary_sin=torch.randn(64, 40))),
     "cos without sin": (ValueError, lambda: _bad(rotary_cos=torch.randn(64, 16))),
     "negative num_splits": (ValueError, lambda: _bad(num_splits=-1)),
+    "page size off the TMA boxes": (ValueError, lambda: _bad(k_cache=_bf(4, 24, 2, 64),
+                                                             v_cache=_bf(4, 24, 2, 64),
+                                                             page_table=_i32(0, 1, 2, 3).reshape(2, 2))),
     "non-contiguous head dim": (ValueError, lambda: _bad(q=_bf(2, 1, 4, 128)[..., ::2])),
 }
 

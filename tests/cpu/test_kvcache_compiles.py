@@ -32,11 +32,17 @@ VARIANTS = [
     _kv(pack_gqa=8, split=True, local=True, softcap=True),
     _kv(dtype="fp16", hdim=64, hdim_v=64, pack_gqa=6, split=True),
     _kv(hdim=256, hdim_v=256, pack_gqa=2, split=True, causal=True),
+    # Paged caches: a block is several pages (16, 64 rows) or part of one (256).
+    _kv(pack_gqa=4, split=True, page_size=64),
+    _kv(pack_gqa=4, page_size=16, causal=True),
+    _kv(pack_gqa=4, split=True, page_size=256),
+    _kv(hdim=256, hdim_v=256, pack_gqa=2, split=True, page_size=16),
 ]
 
 
 def _id(cfg: FwdSm90KVCacheConfig) -> str:
     flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
+    flags += [f"page{cfg.page_size}"] if cfg.page_size else []
     return f"{cfg.dtype}-d{cfg.hdim}-pack{cfg.pack_gqa}-" + "-".join(flags or ["plain"])
 
 
@@ -69,6 +75,9 @@ def test_kvcache_forward_compiles(cfg: FwdSm90KVCacheConfig) -> None:
         assert _count(ptx, r"st\.global\.v2\.b32") > 0
     else:
         assert tma_stores > 0
+    if cfg.page_size:
+        # Every K and V block is tile_n / page_box boxes, each at its own page.
+        assert _count(ptx, tma_loads) >= 2 * (cfg.tile_n // cfg.page_box) + 1
     if cfg.batch_idx or cfg.leftpad:
         # cache_batch_idx / cache_leftpad are read per tile, beside cache_seqlens.
         plain, _ = jit.compile_artifacts(replace(cfg, batch_idx=False, leftpad=False))
@@ -84,6 +93,17 @@ def test_split_merge_compiles(dtype: str, hdim_v: int) -> None:
     assert _count(ptx, r"shfl\.sync") >= 10
     assert _count(ptx, r"ex2\.approx") > 0 and _count(ptx, r"lg2\.approx") > 0
     _no_local_memory(ptx, cubin)
+
+
+def test_paged_blocks_are_whole_pages_or_parts_of_one() -> None:
+    for d in (64, 128, 256):
+        for page in (16, 32, 48, 64, 128, 256, 512):
+            cfg = _kv(hdim=d, hdim_v=d, page_size=page)
+            assert cfg.page_size % cfg.tile_n == 0 or cfg.tile_n % cfg.page_size == 0, (d, page)
+            assert cfg.page_box == min(page, cfg.tile_n) and cfg.tile_n % 16 == 0
+    assert _kv(page_size=256).tile_n == 128  # the tuned tile where pages allow it
+    with pytest.raises(ValueError):
+        _kv(page_size=24)
 
 
 def test_kvcache_configs_are_dense_one_cta_per_tile() -> None:
