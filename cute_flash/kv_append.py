@@ -62,8 +62,17 @@ def logical_cache(cache: Tensor, page_table: Tensor) -> Tensor:
     """A paged cache (num_pages, page_size, H, d) as (B, max_pages * page_size, H, d) in each
     batch's key order: a gathered copy."""
     b, pages = page_table.shape
-    gathered = cache[page_table.to(torch.int64).reshape(-1)]
+    # Entries past a sequence's last page may hold anything: clamped (those keys are never read).
+    gathered = cache[page_table.to(torch.int64).clamp(0, cache.shape[0] - 1).reshape(-1)]
     return gathered.reshape(b, pages * cache.shape[1], *cache.shape[2:])
+
+
+def rotary_per_token(causal: bool, window_size: tuple[int, int], capacity: int) -> bool:
+    """Whether query i is rotated at position ``cache_seqlens + i`` (else all at ``cache_seqlens``):
+    causal or windowed attention, a window side at least the cache's capacity counting as none
+    (flash-attn's rule)."""
+    left, right = (w if 0 <= w < capacity else -1 for w in window_size)
+    return causal or left >= 0 or right >= 0
 
 
 def append_and_rotate(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,

@@ -45,15 +45,15 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
                     num_splits: int) -> None:
     """On validated CUDA tensors: appends to the caches in place and writes ``out`` (B, Nq, H, dv)
     and ``lse`` (B, H, Nq). A paged cache is read in place, page by page, by the kernel."""
-    causal, local, left, right = launch.normalize_window(causal, window_size)
     batch = q.shape[0]
     new = 0 if k is None else k.shape[1]
     capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    per_token = kv_append.rotary_per_token(causal, window_size, capacity)
     q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                    cache_batch_idx, cache_leftpad, page_table, causal or local,
-                                    rotary_interleaved)
+                                    cache_batch_idx, cache_leftpad, page_table, per_token, rotary_interleaved)
+    causal, local, left, right = launch.normalize_window(causal, window_size)
     seqused = cache_seqlens + new if new else cache_seqlens
     page_size = 0 if page_table is None else k_cache.shape[1]
     plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal, local, softcap,

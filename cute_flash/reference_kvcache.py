@@ -27,8 +27,7 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
     capacity = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    left, right = reference.window_bounds(causal, window_size)
-    per_token = causal or left >= 0 or right >= 0
+    per_token = kv_append.rotary_per_token(causal, window_size, capacity)
     q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, page_table, per_token,
                                     rotary_interleaved)

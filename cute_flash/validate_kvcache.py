@@ -32,6 +32,8 @@ def _check_index(name: str, t: Tensor | None, batch: int, device: torch.device, 
         raise ValueError(f"{name} must be {want} with B = {batch}, got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+    if t.shape[0] > 1 and t.stride(0) != 1 and rank == 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
 
 
 def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, paged: bool) -> None:

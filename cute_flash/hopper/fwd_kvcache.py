@@ -171,14 +171,15 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
     @cute.jit
     def load_pages(self, src, state, n_block: Int32, head_kv, batch, seqlen):
         """Block ``n_block`` of K or V into its stage: ``tile_n / page_box`` boxes, each from the page
-        the page table gives for its first key. Boxes past the table's last page read that page
-        again (keys past the sequence end are masked, their V rows zeroed in ``first_half``) so
-        the stage's transaction count always completes."""
+        the page table gives for its first key. Boxes past the sequence end read its last page
+        again (table entries past it may hold anything; those keys are masked, their V rows
+        zeroed in ``first_half``), so the stage's transaction count always completes."""
         tma, mX, sX, cols, pipe = src
         n_boxes = self.tile_n // self.page_box
         # Lane j looks up box j's page (one load latency for the block, one register per lane);
         # the copies below take it with a shuffle.
         lane_key = n_block * self.tile_n + (cute.arch.lane_idx() % n_boxes) * self.page_box
+        lane_key = cutlass.min(lane_key, cutlass.max(seqlen.seqlen_k - 1, 0))
         last_page = seqlen.page_table.shape[1] - 1
         lane_page = seqlen.page_table[batch, cutlass.min(lane_key // self.page_size, last_page)]
         self.acquire_empty(pipe, state)

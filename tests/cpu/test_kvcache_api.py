@@ -88,6 +88,7 @@ BAD_CALLS = {
                                                             rotary_sin=torch.randn(64, 40))),
     "cos without sin": (ValueError, lambda: _bad(rotary_cos=torch.randn(64, 16))),
     "negative num_splits": (ValueError, lambda: _bad(num_splits=-1)),
+    "strided cache_seqlens": (ValueError, lambda: _bad(cache_seqlens=_i32(3, 0, 4, 0)[::2])),
     "page size off the TMA boxes": (ValueError, lambda: _bad(k_cache=_bf(4, 24, 2, 64),
                                                              v_cache=_bf(4, 24, 2, 64),
                                                              page_table=_i32(0, 1, 2, 3).reshape(2, 2))),

@@ -112,7 +112,7 @@ def _reference(c: Case, a: dict) -> tuple[tuple, tuple, dict]:
     """(fp64 out, lse), (same-dtype out, lse), and the caches after the append: the append and
     rotary in the input dtype (what the caches store), then attention over the appended caches."""
     kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
-    per_token = c.causal or c.window != (-1, -1)
+    per_token = kv_append.rotary_per_token(c.causal, c.window, c.capacity)
     index = (a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["page_table"])
     q = kv_append.append_and_rotate(a["q"], kc, vc, a["k"], a["v"], a["rotary_cos"], a["rotary_sin"], *index,
                                     per_token, c.rotary != "neox")
