@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from cute_flash import jit
 from cute_flash.ampere import config as sm80
+from cute_flash.ampere import kvcache_config as sm80_kvcache
 from cute_flash.hopper import bwd_config as sm90_bwd
 from cute_flash.hopper import fp8_config as fp8
 from cute_flash.hopper import fwd_config as sm90_fwd
@@ -186,14 +187,16 @@ def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: 
 
 
 def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
-                 num_splits: int = 0) -> sm90_kvcache.KVCachePlan:
-    """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: Hopper only."""
-    if not is_hopper(arch):
-        raise NotImplementedError(f"flash_attn_with_kvcache runs on Hopper GPUs (sm90); this one is {arch}")
-    if not sm90_fwd_supports(p.hdim, p.hdim_v):
-        raise ValueError(f"flash_attn_with_kvcache: no sm90 tile for head dims {p.hdim}/{p.hdim_v}")
-    return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
-                             num_splits=num_splits)
+                 num_splits: int = 0) -> sm80_kvcache.KVCachePlan:
+    """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: the forward family's
+    (``fwd_family``); paged caches are read by the sm90 kernel's TMA boxes only."""
+    if fwd_family(arch, p.hdim, p.hdim_v) == "sm90":
+        return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
+                                 num_splits=num_splits)
+    if page_size:
+        raise NotImplementedError(f"flash_attn_with_kvcache: paged KV caches run on Hopper GPUs (sm90) "
+                                  f"with the sm90 forward; this one is {arch}, forward family sm80")
+    return sm80_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, num_splits=num_splits)
 
 
 # ---------------------------------------------------------------------------------------------

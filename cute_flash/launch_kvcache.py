@@ -20,8 +20,11 @@ _PLANS = HostMemo(256)
 def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bool, local: bool,
           softcap: float, batch_idx: bool, leftpad: bool, page_size: int, num_splits: int):
     """(plan, compiled kernel, compiled merge or None) of one call's shapes."""
+    arch = jit.device_arch(q.device)
+    # (The family is part of the key: CUTE_FLASH_FWD_KERNEL is read at every call.)
+    family = dispatch.fwd_family(arch, q.shape[-1], v_cache.shape[-1])
     key = (q.dtype, tuple(q.shape), q.stride(), tuple(k_cache.shape[2:]), v_cache.shape[-1], capacity,
-           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits)
+           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits, family)
     hit = _PLANS.get(key)
     if hit is None:
         p = dispatch.kvcache_problem(formats.dtype_name(q.dtype), q.shape[-1], v_cache.shape[-1],
@@ -29,7 +32,7 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
                                      seqlen_q=q.shape[1], capacity=capacity, heads_q=q.shape[2],
                                      heads_kv=k_cache.shape[2], num_sms=launch.sm_count(q.device),
                                      q_dense=launch.dense_bnhd(q))
-        plan = dispatch.kvcache_plan(jit.device_arch(q.device), p, batch_idx=batch_idx, leftpad=leftpad,
+        plan = dispatch.kvcache_plan(arch, p, batch_idx=batch_idx, leftpad=leftpad,
                                      page_size=page_size, num_splits=num_splits)
         merge = None if plan.combine is None else jit.compile_kernel(plan.combine)
         hit = (plan, jit.compile_kernel(plan.config), merge)

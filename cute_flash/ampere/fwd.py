@@ -129,7 +129,7 @@ class FlashFwdSm80:
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                window_left, window_right)
-        n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
+        n_block_min, n_block_max = self.block_range(block_info, seqlen, m_block)
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_O, mode=[0, 0]) * cute.size(acc_O, mode=[1]))
         softmax.reset()
@@ -155,6 +155,10 @@ class FlashFwdSm80:
         row_scale = softmax.finalize()
         OnlineSoftmax.rescale(acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, sQ, tidx, head, batch)
+
+    def block_range(self, block_info: BlockInfo, seqlen: SeqlenInfo, m_block):
+        """(first, last + 1) K/V block of this tile (the KV-cache kernel's splits take a share)."""
+        return block_info.n_block_min_max(seqlen, m_block)
 
     @cute.jit
     def mainloop(self, ctx, n_block_max: Int32, right_start: Int32, left_end: Int32):

@@ -5,7 +5,7 @@ keys optionally split over CTAs (split-KV).
 Decoding reads the whole cache for one or a few query rows per head: with packed GQA a tile is one
 KV head, so a batch of one has as many tiles as KV heads and most SMs would idle. Split-KV gives
 each (tile, split) pair an equal share of the tile's key blocks; every split writes its O (fp32,
-normalised by its own row sums) and LSE, and ``hopper/combine.py`` merges them with LSE weights.
+normalised by its own row sums) and LSE, and ``ampere/combine.py`` merges them with LSE weights.
 The split count is a kernel argument chosen on the host from the shapes (never from the lengths
 on the device), and each split's share is computed in the kernel from the actual length, so a
 captured CUDA graph stays valid while ``cache_seqlens`` changes.
@@ -29,6 +29,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.seqlen import CacheSeqlenInfo
+from cute_flash.device.split_kv import split_block_range, store_partial_o
 from cute_flash.device.tile_scheduler import TileScheduler
 from cute_flash.hopper.fwd import BAR_EPILOGUE, FlashFwdSm90
 
@@ -88,11 +89,7 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
                                geo.window_left, geo.window_right, pack=self.pack)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
         if cutlass.const_expr(self.split):
-            # An equal share of the visible blocks per split (none for the last ones when there are
-            # fewer blocks than splits: they write O = 0, LSE = -inf, which the merge ignores).
-            share = cute.ceil_div(cutlass.max(n_block_max - n_block_min, 0), num_splits)
-            n_block_min = n_block_min + split * share
-            n_block_max = cutlass.min(n_block_max, n_block_min + share)
+            n_block_min, n_block_max = split_block_range(n_block_min, n_block_max, split, num_splits)
         has_rows = m_block * self.tile_m < seqlen.seqlen_q * self.pack
         return m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max
 
@@ -127,12 +124,7 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
             gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, out), (self.tile_m,), (ctx.m_block,))
             ctx.softmax.store_lse(ctx.thr_pv, gLSE, self.tile_m, self.hdim_v, rows_left)
             gO = cute.local_tile(seqlen.q_rows(mO, head, out), (self.tile_m, self.hdim_v), (ctx.m_block, 0))
-            # By (row, column) coordinate: a packed tile's rows ((pack, tokens)) need not split
-            # along the MMA's row partition (6 heads x 32 tokens of a 192-row tile do not).
-            coords = ctx.thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v)))
-            for i in cutlass.range_constexpr(cute.size(ctx.acc_O)):
-                if coords[i][0] < rows_left:
-                    gO[coords[i]] = ctx.acc_O[i]
+            store_partial_o(ctx.thr_pv, ctx.acc_O, gO, self.tile_m, self.hdim_v, rows_left)
 
     # ------------------------------------------------------------------------------------------
     # Paged cache: every K / V block is whole pages or part of one, each box at its page

@@ -1,22 +1,15 @@
-"""Configs and plan of attention over a KV cache on Hopper (``hopper/fwd_kvcache.py``, the split
-merge ``hopper/combine.py``): the tile of the forward, packed GQA, and the split count.
+"""Config and plan of attention over a KV cache on Hopper (``hopper/fwd_kvcache.py``; the split
+merge is ``ampere/combine.py``'s): the tile of the forward, packed GQA, paged boxes, the split
+count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cutlass
-
-from cute_flash import jit
+from cute_flash.ampere.kvcache_config import FwdCombineConfig, KVCachePlan, kvcache_fake_args, split_count
 from cute_flash.hopper.fwd_config import FwdSm90Config, sm90_tile
 from cute_flash.problem import Problem
-
-# Splits are planned to fill the SMs once (one CTA per SM: the tiles' shared memory); more would
-# add a second, mostly empty wave. Each split keeps at least this many key blocks, so a split's
-# pipeline fill and its merge stay small against its loads.
-MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 128
 
 
 def paged_tile_n(page_size: int, d: int, masked: bool) -> int:
@@ -70,59 +63,10 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
         return FlashFwdSm90KVCache(self)
 
     def fake_args(self) -> tuple:
-        """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, softmax_scale,
-        softcap, window_left, window_right, num_splits, stream); ``o`` / ``lse`` fp32 partials with
-        ``split``."""
-        dt, f32, i32 = jit.DTYPES[self.dtype], cutlass.Float32, cutlass.Int32
-        div = jit.vec_div(dt)
-        b, bo, bc, nq, nk, h, hkv, pages = (jit.sym() for _ in range(8))
-        nk = self.page_size or nk  # (paged: bc counts pages)
-        q = jit.fake_tensor(dt, (b, nq, h, self.hdim), divisibility=div)
-        k = jit.fake_tensor(dt, (bc, nk, hkv, self.hdim), divisibility=div)
-        v = jit.fake_tensor(dt, (bc, nk, hkv, self.hdim_v), divisibility=div)
-        o_dt = f32 if self.split else dt
-        o = jit.fake_tensor(o_dt, (bo, nq, h, self.hdim_v), divisibility=jit.vec_div(o_dt))
-        lse = jit.fake_tensor(f32, (bo, h, nq), divisibility=1)
-        per_batch = [jit.fake_tensor(i32, (b,), leading_dim=0) if on else None
-                     for on in (True, self.batch_idx, self.leftpad)]
-        table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if self.page_size else None
-        return (q, k, v, o, lse, *per_batch, table, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
-                jit.fake_stream())
+        """The KV-cache call signature every family shares (``ampere/kvcache_config.py``)."""
+        return kvcache_fake_args(self.dtype, self.hdim, self.hdim_v, self.split, self.batch_idx, self.leftpad,
+                                 self.page_size)
 
-
-@dataclass(frozen=True)
-class FwdCombineConfig(jit.KernelConfig):
-    """The split merge for one output dtype and value head dim."""
-
-    dtype: str = "bf16"
-    hdim_v: int = 128
-
-    kernel_name = "fwd_combine"
-
-    def __post_init__(self) -> None:
-        if self.hdim_v % 32 != 0:
-            raise ValueError("the split merge takes value head dims that are multiples of 32")
-
-    def build(self):
-        from cute_flash.hopper.combine import FwdCombine
-
-        return FwdCombine(self)
-
-    def fake_args(self) -> tuple:
-        f32, dt = cutlass.Float32, jit.DTYPES[self.dtype]
-        bs, b, nq, h = (jit.sym() for _ in range(4))
-        o_acc = jit.fake_tensor(f32, (bs, nq, h, self.hdim_v), divisibility=4)
-        lse_acc = jit.fake_tensor(f32, (bs, h, nq), divisibility=1)
-        o = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=jit.vec_div(dt))
-        lse = jit.fake_tensor(f32, (b, h, nq), divisibility=1)
-        return (o_acc, lse_acc, o, lse, cutlass.Int32(1), jit.fake_stream())
-
-
-@dataclass(frozen=True)
-class KVCachePlan:
-    config: FwdSm90KVCacheConfig
-    num_splits: int
-    combine: FwdCombineConfig | None
 
 
 def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
@@ -138,10 +82,7 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
     pack = p.heads_q // p.heads_kv
     pack = pack if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense else 1
     tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
-    n_blocks = max(1, -(-p.max_seqlen_k // tile_n))
-    if num_splits <= 0:
-        num_splits = min(p.num_sms // max(tiles, 1), n_blocks // MIN_BLOCKS_PER_SPLIT)
-    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    num_splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits)
     split = num_splits > 1
     cfg = FwdSm90KVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
                                local=p.local, softcap=p.softcap, pack_gqa=pack, split=split,

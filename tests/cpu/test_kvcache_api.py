@@ -139,8 +139,13 @@ def test_speculative_queries_pack_the_group_while_they_fit_a_tile() -> None:
     assert _plan(batch=1, nq=64, capacity=8192).config.pack_gqa == 1  # 256 rows: one head per tile
 
 
-def test_kvcache_runs_on_hopper_only() -> None:
+def test_other_gpus_plan_the_sm80_kernel_and_refuse_paged_caches() -> None:
     p = dispatch.kvcache_problem("bf16", 128, 128, causal=False, local=False, softcap=False, batch=1,
-                                 seqlen_q=1, capacity=1024, heads_q=8, heads_kv=8, num_sms=108, q_dense=True)
+                                 seqlen_q=1, capacity=64 * 1024, heads_q=8, heads_kv=8, num_sms=108,
+                                 q_dense=True)
+    plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)
+    assert plan.config.kernel_name == "fwd_sm80_kvcache" and plan.config.split and plan.num_splits == 108 // 8
     with pytest.raises(NotImplementedError, match="Hopper"):
-        dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)
+        dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=64)
+    hopper = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False)
+    assert hopper.config.kernel_name == "fwd_sm90_kvcache"

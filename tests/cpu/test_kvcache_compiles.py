@@ -1,7 +1,8 @@
-"""The KV-cache forward and the split merge compile for sm_90a on a CPU-only machine: the forward
-keeps the Hopper pipeline (wgmma, TMA loads, register reallocation), stays in registers, stores O
+"""The KV-cache forwards and the split merge compile on a CPU-only machine: the sm_90a forward keeps
+the Hopper pipeline (wgmma, TMA loads, register reallocation), stays in registers, stores O
 through TMA when it does not split and writes fp32 partials from registers when it does (no TMA
-store); the merge reads the partials with no local memory. (On a Hopper GPU:
+store), and loads paged caches box by box; the sm_80 forward keeps mma.sync and cp.async; the
+merge reads the partials with no local memory. (On a GPU:
 ``tests/gpu/test_kvcache_matches_reference.py``.)"""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import replace
 import pytest
 
 from cute_flash import jit
+from cute_flash.ampere.kvcache_config import FwdCombineConfig, FwdKVCacheConfig
 from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT
-from cute_flash.hopper.kvcache_config import FwdCombineConfig, FwdSm90KVCacheConfig
+from cute_flash.hopper.kvcache_config import FwdSm90KVCacheConfig
 from cute_flash.tools import inspect as ins
 
 
@@ -40,10 +42,10 @@ VARIANTS = [
 ]
 
 
-def _id(cfg: FwdSm90KVCacheConfig) -> str:
+def _id(cfg) -> str:
     flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
-    flags += [f"page{cfg.page_size}"] if cfg.page_size else []
-    return f"{cfg.dtype}-d{cfg.hdim}-pack{cfg.pack_gqa}-" + "-".join(flags or ["plain"])
+    flags += [f"page{cfg.page_size}"] if getattr(cfg, "page_size", 0) else []
+    return f"{cfg.dtype}-d{cfg.hdim}-pack{getattr(cfg, 'pack_gqa', 1)}-" + "-".join(flags or ["plain"])
 
 
 def _count(ptx: str, pattern: str) -> int:
@@ -92,6 +94,30 @@ def test_split_merge_compiles(dtype: str, hdim_v: int) -> None:
     # Warp reductions of the split LSEs (max, then sum of exponentials) and a log for the merged LSE.
     assert _count(ptx, r"shfl\.sync") >= 10
     assert _count(ptx, r"ex2\.approx") > 0 and _count(ptx, r"lg2\.approx") > 0
+    _no_local_memory(ptx, cubin)
+
+
+def _sm80(dtype: str = "bf16", d: int = 128, **kw) -> FwdKVCacheConfig:
+    return FwdKVCacheConfig(target="sm_80", dtype=dtype, hdim=d, hdim_v=d, **kw)
+
+
+SM80 = [
+    _sm80(split=True, causal=True),
+    _sm80(),
+    _sm80("fp16", 64, split=True, batch_idx=True, leftpad=True),
+    _sm80(d=256, split=True, local=True, softcap=True),
+]
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=_id(c).replace("-pack1", ""),
+                                              marks=() if i == 0 else pytest.mark.slow)
+                                 for i, c in enumerate(SM80)])
+def test_sm80_kvcache_forward_compiles(cfg: FwdKVCacheConfig) -> None:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    assert _count(ptx, r"mma\.sync") > 0 and _count(ptx, r"cp\.async\.cg\.shared\.global") > 0
+    assert _count(ptx, r"wgmma") == 0 and _count(ptx, r"cp\.async\.bulk") == 0
+    if cfg.split:
+        assert _count(ptx, r"st\.global\.v2\.b32") > 0  # fp32 partials, two columns per store
     _no_local_memory(ptx, cubin)
 
 

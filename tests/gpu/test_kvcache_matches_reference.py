@@ -1,7 +1,8 @@
 """``flash_attn_with_kvcache`` on a Hopper GPU against the fp64 reference, under the 2x rule
 (error at most twice the same PyTorch math in the input dtype, + 1e-5): ragged ``cache_seqlens``
 (0 and a full cache included), GQA ratios, rotary on and off, append on and off, paged caches of
-several page sizes, cache rows and left padding, forced and planned split counts. Cache slots no
+several page sizes, cache rows and left padding, forced and planned split counts; the sm80
+kernel (forced with ``CUTE_FLASH_FWD_KERNEL=sm80``) on the contiguous cases. Cache slots no
 sequence owns hold NaN, so a kernel that reads past a sequence's end shows it. A CUDA graph
 captured once replays correctly while ``cache_seqlens`` changes.
 """
@@ -148,6 +149,16 @@ def test_kvcache_matches_the_fp64_reference(case: Case, seed: int) -> None:
         assert torch.equal(a[name].nan_to_num(7.0), appended[name].nan_to_num(7.0)), name
     assert_rule("out", out, ref[0], same[0].to(case.dtype), FLOOR_FWD, seed, _id(case))
     assert_lse_rule(lse, ref[1].float(), same[1], seed, _id(case))
+
+
+SM80_CASES = [c for c in CASES if not c.page_size][:6]
+
+
+@pytest.mark.parametrize("case", SM80_CASES, ids=_id)
+def test_the_sm80_kernel_matches_the_fp64_reference(case: Case, seed: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUTE_FLASH_FWD_KERNEL", "sm80")
+    test_kvcache_matches_the_fp64_reference(case, seed)
 
 
 def test_a_captured_graph_replays_over_changing_cache_seqlens(seed: int) -> None:

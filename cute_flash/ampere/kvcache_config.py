@@ -1,0 +1,129 @@
+"""Configs and plan of attention over a KV cache with the sm80 kernels (``ampere/fwd_kvcache.py``),
+and the split merge every family uses (``ampere/combine.py``: sm80 instructions only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+
+from cute_flash import jit
+from cute_flash.ampere.config import FwdConfig
+from cute_flash.problem import Problem
+
+# Splits are planned to fill the SMs once; more would add a second, mostly empty wave. Each split
+# keeps at least this many key blocks, so a split's pipeline fill and its merge stay small
+# against its loads.
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class FwdKVCacheConfig(FwdConfig):
+    """The sm80 forward over a KV cache: per-batch key ranges ``[leftpad, seqused)`` of cache row
+    ``cache_batch_idx[b]`` (``batch_idx`` / ``leftpad``: the kernel reads those tensors), and
+    ``split``: fp32 partials of an equal share of the key blocks, merged by the combine kernel.
+    Contiguous caches only (paged caches are Hopper's TMA path)."""
+
+    split: bool = False
+    batch_idx: bool = False
+    leftpad: bool = False
+
+    kernel_name = "fwd_sm80_kvcache"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.varlen:
+            raise ValueError("the KV-cache forward takes dense queries")
+
+    def build(self):
+        from cute_flash.ampere.fwd_kvcache import FlashFwdSm80KVCache
+
+        return FlashFwdSm80KVCache(self)
+
+    def fake_args(self) -> tuple:
+        """The KV-cache call signature every family shares (``hopper/kvcache_config.py``)."""
+        return kvcache_fake_args(self.dtype, self.hdim, self.hdim_v, self.split, self.batch_idx, self.leftpad,
+                                 0)
+
+
+def kvcache_fake_args(dtype: str, hdim: int, hdim_v: int, split: bool, batch_idx: bool, leftpad: bool,
+                      page_size: int) -> tuple:
+    """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, softmax_scale,
+    softcap, window_left, window_right, num_splits, stream); ``o`` / ``lse`` fp32 partials
+    (B * num_splits, ...) with ``split``; ``page_size`` > 0: a paged (num_pages, page_size, H_kv, d)
+    cache and its (B, max_pages) table."""
+    dt, f32, i32 = jit.DTYPES[dtype], cutlass.Float32, cutlass.Int32
+    div = jit.vec_div(dt)
+    b, bo, bc, nq, nk, h, hkv, pages = (jit.sym() for _ in range(8))
+    nk = page_size or nk  # (paged: bc counts pages)
+    q = jit.fake_tensor(dt, (b, nq, h, hdim), divisibility=div)
+    k = jit.fake_tensor(dt, (bc, nk, hkv, hdim), divisibility=div)
+    v = jit.fake_tensor(dt, (bc, nk, hkv, hdim_v), divisibility=div)
+    o_dt = f32 if split else dt
+    o = jit.fake_tensor(o_dt, (bo, nq, h, hdim_v), divisibility=jit.vec_div(o_dt))
+    lse = jit.fake_tensor(f32, (bo, h, nq), divisibility=1)
+    per_batch = [jit.fake_tensor(i32, (b,), leading_dim=0) if on else None
+                 for on in (True, batch_idx, leftpad)]
+    table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if page_size else None
+    return (q, k, v, o, lse, *per_batch, table, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
+            jit.fake_stream())
+
+
+@dataclass(frozen=True)
+class FwdCombineConfig(jit.KernelConfig):
+    """The split merge for one output dtype and value head dim."""
+
+    dtype: str = "bf16"
+    hdim_v: int = 128
+
+    kernel_name = "fwd_combine"
+
+    def __post_init__(self) -> None:
+        if self.hdim_v % 32 != 0:
+            raise ValueError("the split merge takes value head dims that are multiples of 32")
+
+    def build(self):
+        from cute_flash.ampere.combine import FwdCombine
+
+        return FwdCombine(self)
+
+    def fake_args(self) -> tuple:
+        f32, dt = cutlass.Float32, jit.DTYPES[self.dtype]
+        bs, b, nq, h = (jit.sym() for _ in range(4))
+        o_acc = jit.fake_tensor(f32, (bs, nq, h, self.hdim_v), divisibility=4)
+        lse_acc = jit.fake_tensor(f32, (bs, h, nq), divisibility=1)
+        o = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=jit.vec_div(dt))
+        lse = jit.fake_tensor(f32, (b, h, nq), divisibility=1)
+        return (o_acc, lse_acc, o, lse, cutlass.Int32(1), jit.fake_stream())
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    config: jit.KernelConfig
+    num_splits: int
+    combine: FwdCombineConfig | None
+
+
+def split_count(num_sms: int, tiles: int, n_blocks: int, num_splits: int) -> int:
+    """Splits per tile: ``num_splits`` if given (clipped to the key blocks), else enough to fill the
+    SMs once with at least ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
+    if num_splits <= 0:
+        num_splits = min(num_sms // max(tiles, 1), n_blocks // MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(num_splits, n_blocks, MAX_SPLITS))
+
+
+def plan(p: Problem, *, batch_idx: bool, leftpad: bool, num_splits: int = 0) -> KVCachePlan:
+    """The sm80 variant and split count of one call, from shapes only (``p.max_seqlen_k``: the
+    cache's capacity)."""
+    base = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
+                            local=p.local, softcap=p.softcap)
+    tile_m, tile_n = base.tiles[:2]
+    tiles = p.batch * p.heads_q * -(-p.max_seqlen_q // tile_m)
+    splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits)
+    cfg = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
+                           local=p.local, softcap=p.softcap, split=splits > 1, batch_idx=batch_idx,
+                           leftpad=leftpad)
+    combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
+    return KVCachePlan(cfg, splits, combine)
