@@ -49,10 +49,13 @@ class AttentionSpec:
     backward: bool = True
     deterministic: bool = False
     fp8: bool = False  # the ``fp8=True`` forward: quantize with the rotation, then e4m3 attention
+    # ``flash_attn_with_kvcache`` (decoding, chunked prefill) over a cache of these pages (0: contiguous).
+    kvcache: bool = False
+    page_size: int = 0
 
     def label(self) -> str:
-        names = ("causal", "window", "softcap", "varlen", "deterministic", "fp8")
-        flags = [f for f in names if getattr(self, f)]
+        names = ("causal", "window", "softcap", "varlen", "deterministic", "fp8", "kvcache")
+        flags = [f for f in names if getattr(self, f)] + ([f"page{self.page_size}"] if self.page_size else [])
         dv = "" if self.hdim_v in (None, self.hdim) else f"x{self.hdim_v}"
         return f"{self.dtype} d{self.hdim}{dv} {self.heads_q}/{self.heads_kv} heads {' '.join(flags)}".strip()
 
@@ -89,6 +92,8 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
     pairs = [(n, n) for n in seqlens] + (list(DECODE) if decode and not spec.varlen else [])
     if spec.fp8:
         return _plan_fp8(spec, arch, num_sms, pairs, causal, local)
+    if spec.kvcache:
+        return _plan_kvcache(spec, arch, num_sms, causal, local)
     fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
     bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
     masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
@@ -124,6 +129,30 @@ def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[in
                                  seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
                                  num_sms=num_sms, q_dense=True)
         out[dispatch.fp8_fwd_config(p, v_perm=not spec.varlen)] = None
+    return list(dict.fromkeys(replace(c, target=arch) for c in out))
+
+
+def _plan_kvcache(spec: AttentionSpec, arch: str, num_sms: int, causal: bool,
+                  local: bool) -> list[jit.KernelConfig]:
+    """The KV-cache kernel and merge of every (queries, batch, cache size) the launcher may see: the
+    plan packs GQA by the query rows and splits by the tiles and the cache's key blocks (one, a
+    few, many), never by the lengths in the cache."""
+    if spec.backward or spec.varlen or spec.fp8:
+        raise ValueError("the KV-cache path is a forward over dense queries, without fp8")
+    dv = spec.hdim if spec.hdim_v is None else spec.hdim_v
+    out: dict[jit.KernelConfig, None] = {}
+    for nq in (n for n in SEQLENS if n <= 4096):
+        for batch in BATCHES:
+            for capacity in (64, 1024, 131072):
+                p = dispatch.kvcache_problem(spec.dtype, spec.hdim, dv, causal=causal, local=local,
+                                             softcap=spec.softcap, batch=batch, seqlen_q=nq,
+                                             capacity=capacity, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
+                                             num_sms=num_sms, q_dense=True)
+                plan = dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False,
+                                             page_size=spec.page_size)
+                out[plan.config] = None
+                if plan.combine is not None:
+                    out[plan.combine] = None
     return list(dict.fromkeys(replace(c, target=arch) for c in out))
 
 
@@ -204,6 +233,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
     p.add_argument("--fp8", action="store_true", help="the fp8=True forward instead (Hopper: quantize with "
                                                      "the rotation, e4m3 attention; no backward)")
+    p.add_argument("--kvcache", action="store_true", help="the flash_attn_with_kvcache kernels instead "
+                                                         "(decoding, chunked prefill; forward only)")
+    p.add_argument("--page-size", type=int, default=0, help="with --kvcache: a paged cache of these pages")
     p.add_argument("--seqlen", type=int, nargs="+", default=None, help="sequence lengths to plan for "
                    "(default: a sweep from 64 to 128k and decode shapes)")
     p.add_argument("--arch", choices=TARGETS, default=None, help="compile target (default: this GPU)")
@@ -228,7 +260,8 @@ def _load_config(name: str) -> dict:
 
 def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
     if args.config:
-        specs = specs_from_model_config(_load_config(args.config), dtype=args.dtype, backward=not args.no_bwd)
+        specs = specs_from_model_config(_load_config(args.config), dtype=args.dtype, backward=not args.no_bwd,
+                                        padded=not args.kvcache)
         return [replace(s, deterministic=args.deterministic, **_fp8_fields(args)) for s in specs]
     if not args.hdim:
         raise SystemExit("name the head dims (--hdim 128 ...) or a model (--config)")
@@ -241,6 +274,11 @@ def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
 
 
 def _fp8_fields(args: argparse.Namespace) -> dict:
+    """The fields of --fp8 and --kvcache (both forward only)."""
+    if args.kvcache and args.fp8:
+        raise SystemExit("--kvcache and --fp8 are different paths: warm them in two calls")
+    if args.kvcache:
+        return dict(kvcache=True, page_size=args.page_size, backward=False)
     return dict(fp8=True, backward=False) if args.fp8 else {}
 
 
@@ -263,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     for spec in specs:
         try:
             planned = plan_configs(spec, arch, num_sms, seqlens=seqlens, decode=not args.seqlen)
-        except ValueError as err:
+        except (ValueError, NotImplementedError) as err:
             raise SystemExit(f"{spec.label()}: {err}") from err
         configs.update(dict.fromkeys(planned))
     print(f"{len(configs)} kernel variants for {arch} ({num_sms} SMs) from {len(specs)} attention specs:",

@@ -101,6 +101,45 @@ def test_fp8_warmup_is_refused_off_hopper_and_with_softcap() -> None:
         warmup.plan_configs(replace(spec, softcap=True), "sm_90a", 132)
 
 
+KV_SPECS = [
+    (AttentionSpec(hdim=128, heads_q=32, heads_kv=8, kvcache=True, backward=False), "sm_90a"),
+    (AttentionSpec(hdim=64, heads_q=12, heads_kv=2, window=True, kvcache=True, page_size=16, backward=False),
+     "sm_90a"),
+    (AttentionSpec(hdim=128, heads_q=16, heads_kv=16, causal=False, kvcache=True, backward=False), "sm_80"),
+]
+
+
+def _kv_id(x) -> str:
+    return x if isinstance(x, str) else x.label().replace(" ", "-")
+
+
+@pytest.mark.parametrize("spec,arch", KV_SPECS, ids=_kv_id)
+def test_the_kvcache_sweep_covers_the_launchers_plans_of_any_shape(spec: AttentionSpec, arch: str,
+                                                                   seed: int) -> None:
+    planned = set(warmup.plan_configs(spec, arch, 132))
+    causal, local, _, _ = launch.normalize_window(spec.causal, (4095, 0) if spec.window else (-1, -1))
+    rng = random.Random(seed)
+    for _ in range(300):
+        nq = rng.choice([1, rng.randint(1, 16), rng.randint(1, 4096)])
+        capacity, batch = rng.randint(1, 200_000), rng.choice([1, rng.randint(1, 256)])
+        p = dispatch.kvcache_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local,
+                                     softcap=spec.softcap, batch=batch, seqlen_q=nq, capacity=capacity,
+                                     heads_q=spec.heads_q, heads_kv=spec.heads_kv, num_sms=132, q_dense=True)
+        plan = dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False, page_size=spec.page_size)
+        for cfg in (plan.config, plan.combine):
+            if cfg is not None:
+                where = f"Nq={nq} B={batch} cache={capacity}"
+                assert replace(cfg, target=arch) in planned, f"{where}: {cfg.describe()}"
+
+
+def test_kvcache_warmup_refuses_what_the_path_cannot_run() -> None:
+    paged = AttentionSpec(hdim=128, heads_q=32, heads_kv=8, kvcache=True, page_size=64, backward=False)
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        warmup.plan_configs(paged, "sm_80", 108)
+    with pytest.raises(ValueError, match="forward"):
+        warmup.plan_configs(replace(paged, backward=True), "sm_90a", 132)
+
+
 def test_specs_follow_a_decoder_config() -> None:
     llama = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
              "torch_dtype": "bfloat16"}
