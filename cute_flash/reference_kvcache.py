@@ -50,3 +50,38 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
     if not outs:  # no batch
         return reference.attention_ref(q, keys[:0], values[:0], softmax_scale=softmax_scale, upcast=upcast)
     return torch.cat(outs), torch.cat(lses)
+
+
+def merge_splits_ref(o_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
+    """The split-KV merge (``ampere/combine.py``) spelled out: partials (S, ..., d_v) each normalised
+    by its own row sum, and their LSEs (S, ...), give O = sum_s exp(LSE_s - LSE) O_s and LSE =
+    log sum_s exp(LSE_s); splits with LSE -inf weigh 0, and a row with none left is O = 0,
+    LSE = -inf."""
+    lse = torch.logsumexp(lse_parts, dim=0)
+    weights = torch.exp(lse_parts - lse.masked_fill(torch.isneginf(lse), 0.0)).nan_to_num(0.0)
+    return (weights.unsqueeze(-1) * o_parts).sum(dim=0), lse
+
+
+def split_kv_ref(q: Tensor, keys: Tensor, values: Tensor, *, tile_n: int, num_splits: int,
+                 softmax_scale: float, causal: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One sequence's attention split as the KV-cache kernels split it: the key blocks of
+    ``tile_n`` keys, ceil(blocks / num_splits) per split, each split's (O, LSE) over its keys alone.
+    q (Nq, H, d), keys / values (Nk, H, d). Returns (O partials (S, Nq, H, d_v), LSE partials
+    (S, H, Nq), merged O, merged LSE), in the inputs' dtype."""
+    nk = keys.shape[0]
+    blocks = -(-nk // tile_n)
+    share = -(-blocks // num_splits)
+    o_parts, lse_parts = [], []
+    for s in range(num_splits):
+        lo, hi = min(s * share * tile_n, nk), min((s + 1) * share * tile_n, nk)
+        # Keys lo..hi - 1 of the sequence: the causal diagonal stays where the whole sequence puts it.
+        mask = reference.visible_mask(q.shape[0], nk, causal=causal, device=q.device)[:, lo:hi]
+        scores = torch.einsum("qhd,khd->hqk", q, keys[lo:hi]) * softmax_scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (H, Nq); -inf where the split sees no key
+        p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+        o_parts.append(torch.einsum("hqk,khd->qhd", p, values[lo:hi]))
+        lse_parts.append(lse)
+    o_parts, lse_parts = torch.stack(o_parts), torch.stack(lse_parts)
+    out, lse = merge_splits_ref(o_parts, lse_parts.transpose(1, 2))  # (LSE by (token, head), as O)
+    return o_parts, lse_parts, out, lse.transpose(0, 1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cute_flash import flash_attn_with_kvcache, kv_append
-from cute_flash.reference_kvcache import kvcache_attention_ref
+from cute_flash.reference_kvcache import kvcache_attention_ref, merge_splits_ref, split_kv_ref
 
 
 def _rotate_brute(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -184,3 +184,35 @@ def test_without_cache_seqlens_every_row_is_full(seed: int) -> None:
         o_b, lse_b = _attend_brute(q[b], k_cache[b], v_cache[b], 1 / math.sqrt(32), True, (-1, -1), 0.0)
         torch.testing.assert_close(out[b], o_b)
         torch.testing.assert_close(lse[b], lse_b)
+
+
+@pytest.mark.parametrize("nk,num_splits,causal", [(1000, 4, False), (1000, 4, True), (130, 7, True),
+                                                  (64, 5, False), (3, 2, True)])
+def test_split_partials_merge_into_the_whole_attention(seed: int, nk: int, num_splits: int,
+                                                       causal: bool) -> None:
+    """The split-KV recurrence the kernels and the merge implement, against dense attention: equal
+    shares of 64-key blocks, partials normalised by their own sums, splits past the last block
+    (more splits than blocks) empty with LSE -inf and weight 0."""
+    nq, h, d = 3, 2, 32
+    q = torch.randn(nq, h, d, dtype=torch.float64)
+    keys, values = torch.randn(nk, h, d, dtype=torch.float64), torch.randn(nk, h, d, dtype=torch.float64)
+    o_parts, lse_parts, out, lse = split_kv_ref(q, keys, values, tile_n=64, num_splits=num_splits,
+                                                softmax_scale=0.2, causal=causal)
+    want, want_lse = _attend_brute(q, keys, values, 0.2, causal, (-1, -1), 0.0)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    blocks = -(-nk // 64)
+    share = -(-blocks // num_splits)
+    for s in range(num_splits):
+        if s * share >= blocks:  # an empty split: O = 0, LSE = -inf
+            assert torch.isneginf(lse_parts[s]).all() and not o_parts[s].any()
+
+
+def test_a_row_with_no_key_in_any_split_merges_to_zero_and_minus_inf() -> None:
+    o_parts = torch.zeros(3, 2, 4, 8)
+    lse_parts = torch.full((3, 2, 4), float("-inf"))
+    lse_parts[1, 0] = 0.5  # one row sees keys in one split only
+    o_parts[1, 0] = 2.0
+    out, lse = merge_splits_ref(o_parts, lse_parts)
+    assert torch.equal(out[0], torch.full((4, 8), 2.0)) and torch.allclose(lse[0], torch.tensor(0.5))
+    assert not out[1].any() and torch.isneginf(lse[1]).all()

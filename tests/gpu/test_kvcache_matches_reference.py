@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cute_flash import flash_attn_with_kvcache, kv_append
-from cute_flash.reference_kvcache import kvcache_attention_ref
+from cute_flash import flash_attn_with_kvcache, formats, jit, kv_append
+from cute_flash.ampere.kvcache_config import FwdCombineConfig
+from cute_flash.reference_kvcache import kvcache_attention_ref, merge_splits_ref
 
 from attention_checks import FLOOR_FWD, assert_lse_rule, assert_rule, needs_hopper
 
@@ -159,6 +160,31 @@ def test_the_sm80_kernel_matches_the_fp64_reference(case: Case, seed: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUTE_FLASH_FWD_KERNEL", "sm80")
     test_kvcache_matches_the_fp64_reference(case, seed)
+
+
+@pytest.mark.parametrize("dtype,hdim_v", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)])
+def test_the_merge_kernel_matches_the_merge_formula(seed: int, dtype: torch.dtype, hdim_v: int) -> None:
+    """The combine kernel alone on random partials, some splits empty (LSE -inf) and one row with
+    every split empty."""
+    b, splits, nq, h = 3, 5, 2, 4
+    o_acc = torch.randn(b * splits, nq, h, hdim_v, device="cuda")
+    lse_acc = torch.randn(b * splits, h, nq, device="cuda") * 4
+    lse_acc[torch.rand_like(lse_acc) < 0.3] = float("-inf")
+    lse_acc[1 * splits:2 * splits, 2, 1] = float("-inf")
+    o_acc[lse_acc.transpose(1, 2).isneginf()] = 0.0
+    out = torch.full((b, nq, h, hdim_v), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    merge = jit.compile_kernel(FwdCombineConfig(target=None, dtype=formats.dtype_name(dtype), hdim_v=hdim_v))
+    merge(o_acc, lse_acc, out, lse, splits)
+    parts = o_acc.reshape(b, splits, nq, h, hdim_v).transpose(0, 1).double()
+    lse_parts = lse_acc.reshape(b, splits, h, nq).transpose(0, 1).transpose(2, 3).double()
+    want, want_lse = merge_splits_ref(parts, lse_parts)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=1e-2)
+    want_lse = want_lse.transpose(1, 2)
+    assert torch.equal(lse.isneginf(), want_lse.isneginf())
+    torch.testing.assert_close(lse.double().nan_to_num(neginf=0.0), want_lse.nan_to_num(neginf=0.0),
+                               atol=1e-5, rtol=1e-5)
+    assert not out[1, 1, 2].any()
 
 
 def test_a_captured_graph_replays_over_changing_cache_seqlens(seed: int) -> None:
