@@ -1,11 +1,12 @@
 """Checks of a ``flash_attn_with_kvcache`` call, before anything is written or launched.
 
 Metadata (shapes, dtypes, devices, layouts) is checked always, on fake tensors too. The checks
-that read the index tensors (``cache_seqlens`` within the cache, ``page_table`` / ``cache_batch_idx``
-entries in range, the rotary table long enough) copy them to the host: they run on every eager
-call and are skipped while a CUDA graph is being captured (a capture cannot read device data;
-the call being captured was checked by the eager warm-up a capture needs anyway). An index out of
-range would otherwise make the kernel read or the append write another sequence's cache.
+that read the index tensors (``cache_seqlens`` within the cache, ``page_table`` /
+``cache_batch_idx`` entries in range, the rotary table long enough) copy them to the host, all in
+one copy (one wait for the device per eager call); they run on every eager call and are skipped
+while a CUDA graph is being captured (a capture cannot read device data; the call being captured
+was checked by the eager warm-up a capture needs anyway). An index out of range would otherwise
+make the kernel read or the append write another sequence's cache.
 """
 
 from __future__ import annotations
@@ -137,6 +138,22 @@ def check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                           page_table)
 
 
+def _host_values(tensors: list[Tensor | None]) -> list[list | None]:
+    """The given int32 index tensors as host lists, with one device-to-host copy for all of them."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return [None] * len(tensors)
+    flat = torch.cat([t.reshape(-1) for t in present]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return out
+
+
 def _check_index_data(q: Tensor, k_cache: Tensor, k: Tensor | None, rotary_cos: Tensor | None,
                       cache_seqlens: Tensor | None, cache_batch_idx: Tensor | None,
                       cache_leftpad: Tensor | None, page_table: Tensor | None) -> None:
@@ -144,32 +161,29 @@ def _check_index_data(q: Tensor, k_cache: Tensor, k: Tensor | None, rotary_cos: 
     new = 0 if k is None else k.shape[1]
     paged = page_table is not None
     capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    if cache_seqlens is None:
-        return
-    lens = cache_seqlens.tolist()
+    lens, pads, rows, pages = _host_values([cache_seqlens, cache_leftpad, cache_batch_idx, page_table])
+    if lens is None:  # every cache row full
+        lens = [capacity] * q.shape[0]
     for b, n in enumerate(lens):
         if n < 0 or n + new > capacity:
             raise ValueError(f"cache_seqlens[{b}] = {n}: with {new} new tokens it must lie in "
                              f"[0, {capacity - new}] (the cache holds {capacity} keys per sequence)")
-    if cache_leftpad is not None:
-        for b, (pad, n) in enumerate(zip(cache_leftpad.tolist(), lens, strict=True)):
-            if not 0 <= pad <= n:
-                raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}] = {n}]")
-    if cache_batch_idx is not None:
-        rows = cache_batch_idx.tolist()
-        bad = [r for r in rows if not 0 <= r < k_cache.shape[0]]
-        if bad:
-            raise ValueError(f"cache_batch_idx holds {bad[0]}, outside the cache's {k_cache.shape[0]} rows")
+    pads = pads or [0] * len(lens)
+    for b, (pad, n) in enumerate(zip(pads, lens, strict=True)):
+        if not 0 <= pad <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}] = {n}]")
+    bad = [r for r in rows or [] if not 0 <= r < k_cache.shape[0]]
+    if bad:
+        raise ValueError(f"cache_batch_idx holds {bad[0]}, outside the cache's {k_cache.shape[0]} rows")
     if paged:
-        pages = page_table.tolist()
+        per_seq = page_table.shape[1]
         for b, n in enumerate(lens):
-            used = pages[b][:-(-(n + new) // k_cache.shape[1])]
+            used = pages[b * per_seq:b * per_seq + -(-(n + new) // k_cache.shape[1])]
             bad = [p for p in used if not 0 <= p < k_cache.shape[0]]
             if bad:
                 raise ValueError(f"page_table[{b}] holds page {bad[0]}, outside the cache's "
                                  f"{k_cache.shape[0]} pages")
     if rotary_cos is not None:
-        pads = [0] * len(lens) if cache_leftpad is None else cache_leftpad.tolist()
         need = max((n - p + max(new, q.shape[1]) for n, p in zip(lens, pads, strict=True)), default=0)
         if need > rotary_cos.shape[0]:
             raise ValueError(f"rotary_cos / rotary_sin have {rotary_cos.shape[0]} positions; this call needs "

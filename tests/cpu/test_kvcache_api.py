@@ -89,6 +89,8 @@ BAD_CALLS = {
     "cos without sin": (ValueError, lambda: _bad(rotary_cos=torch.randn(64, 16))),
     "negative num_splits": (ValueError, lambda: _bad(num_splits=-1)),
     "strided cache_seqlens": (ValueError, lambda: _bad(cache_seqlens=_i32(3, 0, 4, 0)[::2])),
+    "cache rows out of range with full caches": (ValueError, lambda: _bad(k=None, v=None, cache_seqlens=None,
+                                                                           cache_batch_idx=_i32(0, 5))),
     "page size off the TMA boxes": (ValueError, lambda: _bad(k_cache=_bf(4, 24, 2, 64),
                                                              v_cache=_bf(4, 24, 2, 64),
                                                              page_table=_i32(0, 1, 2, 3).reshape(2, 2))),
