@@ -53,7 +53,7 @@ def _fwd_kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
             page_table)
     _check(args, softmax_scale, (window_left, window_right), softcap, num_splits)
     out, lse = _alloc(q, v_cache)
-    if q.numel() == 0:
+    if q.shape[0] == 0:  # no sequence: nothing to append or attend
         return out, lse
     with torch.cuda.device(q.device):
         launch_kvcache.run_fwd_kvcache(*args, out, lse, softmax_scale=softmax_scale, causal=causal,

@@ -47,7 +47,7 @@ def _check_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, paged: bool) -> No
         raise ValueError(f"k_cache and v_cache must agree but in the head dim, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     h, hkv = q.shape[2], k_cache.shape[2]
-    if hkv < 1 or h % hkv != 0:
+    if h < 1 or hkv < 1 or h % hkv != 0:
         raise ValueError(f"q heads must be a positive multiple of the cache's heads, got {h} and {hkv}")
     if k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k_cache must have the same head dim, got {q.shape[-1]} and "
