@@ -9,7 +9,7 @@ timed (``triton.testing.do_bench`` medians; the providers' order rotated over ``
 host overhead does not count for either side. ``ours+append`` also appends one new token with
 rotary at each step (what a serving loop runs); the other columns attend over the cache only.
 
-    python benchmarks/decode.py [--rounds 3] [--page-sizes 64 256] [--out DIR]
+    python benchmarks/decode.py [--rounds 3] [--page-sizes 64 256] [--splits 1 4 16 32] [--out DIR]
 
 Writes ``decode.json`` and ``decode.md`` under ``--out`` and prints the table.
 """
@@ -78,7 +78,7 @@ def _cache(batch: int, keys: int, page_size: int):
     return k, torch.randn_like(k), table, lens
 
 
-def providers(batch: int, keys: int, page_size: int) -> dict[str, Callable[[], object]]:
+def providers(batch: int, keys: int, page_size: int, splits: list[int]) -> dict[str, Callable[[], object]]:
     k_cache, v_cache, table, lens = _cache(batch, keys, page_size)
     q = torch.randn(batch, 1, H, D, dtype=torch.bfloat16, device="cuda")
     new_k = torch.randn(batch, 1, HKV, D, dtype=torch.bfloat16, device="cuda")
@@ -92,6 +92,9 @@ def providers(batch: int, keys: int, page_size: int) -> dict[str, Callable[[], o
                                                                   cache_seqlens=lens, page_table=table,
                                                                   causal=True),
     }
+    for n in splits:  # forced split counts (the plan's rule is ``ours``)
+        fns[f"ours-s{n}"] = (lambda n=n: cute_flash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, page_table=table, causal=True, num_splits=n))
     try:
         from flash_attn.cute import interface as fa4
 
@@ -112,6 +115,8 @@ def main() -> None:
     ap.add_argument("--page-sizes", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--keys", type=int, nargs="*", default=list(KEYS))
     ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time these forced split counts (the split rule's measurement)")
     ap.add_argument("--out", default="decode_out")
     args = ap.parse_args()
     ceiling = copy_ceiling_tbps()
@@ -122,7 +127,7 @@ def main() -> None:
             for keys in args.keys:
                 if batch * keys * HKV * D * 2 * 2 > MAX_CACHE_BYTES:
                     continue
-                fns = providers(batch, keys, page_size)
+                fns = providers(batch, keys, page_size, args.splits)
                 names = list(fns)
                 times: dict[str, list[float]] = {n: [] for n in names}
                 for r in range(args.rounds):
