@@ -4,7 +4,7 @@ and the split merge every family uses (``ampere/combine.py``: sm80 instructions 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 
@@ -122,8 +122,6 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, num_splits: int = 0) -> 
     tile_m, tile_n = base.tiles[:2]
     tiles = p.batch * p.heads_q * -(-p.max_seqlen_q // tile_m)
     splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits)
-    cfg = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                           local=p.local, softcap=p.softcap, split=splits > 1, batch_idx=batch_idx,
-                           leftpad=leftpad)
+    cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad)
     combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
     return KVCachePlan(cfg, splits, combine)

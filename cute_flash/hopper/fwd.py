@@ -462,20 +462,14 @@ class FlashFwdSm90:
         # GQA/MQA: query head h reads kv head h // (H / H_kv).
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
-        gV = self.v_blocks(mV, seqlen, head_kv, batch)
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        k_src, v_src = self.kv_sources(mK, mV, tma_K, tma_V, smem, pipes, seqlen, head_kv, batch)
         # The first K block before Q: a persistent CTA's Q buffer frees only when the previous
         # tile is done with it, while a K stage is usually free already.
         n_block = n_block_max - 1
         if n_block_max > n_block_min:
-            self.load_kv(tma_K, tKgK, tKsK, pipes.k, k_state, n_block)
+            self.load_kv(k_src, k_state, n_block)
             k_state.advance()
         # Q always (even with no K/V block to visit: the consumers wait for it, and it may share
         # its buffer with O). Rows past the sequence end are zero-filled by the TMA unit.
@@ -487,18 +481,31 @@ class FlashFwdSm90:
         # producer warp must not sit on a V slot while a K slot is free.
         if n_block_max > n_block_min:
             for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
-                self.load_kv(tma_K, tKgK, tKsK, pipes.k, k_state, n_block - 1)
+                self.load_kv(k_src, k_state, n_block - 1)
                 k_state.advance()
-                self.load_kv(tma_V, tVgV, tVsV, pipes.v, v_state, n_block)
+                self.load_kv(v_src, v_state, n_block)
                 v_state.advance()
                 n_block -= 1
-            self.load_kv(tma_V, tVgV, tVsV, pipes.v, v_state, n_block)
+            self.load_kv(v_src, v_state, n_block)
             v_state.advance()
         return q_state, k_state, v_state
 
+    def kv_sources(self, mK, mV, tma_K, tma_V, smem, pipes, seqlen: SeqlenInfo, head_kv, batch):
+        """What ``load_kv`` takes for K and for V: here the TMA atom, the block-indexed source and
+        stage-indexed destination partitions, and the pipeline (paged caches: per-page boxes)."""
+        gK = cute.local_tile(seqlen.k_rows(mK, head_kv, batch), (self.tile_n, self.hdim), (None, 0))
+        gV = self.v_blocks(mV, seqlen, head_kv, batch)
+        one = cute.make_layout(1)
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(smem.sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(smem.sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        return (tma_K, tKgK, tKsK, pipes.k), (tma_V, tVgV, tVsV, pipes.v)
+
     @cute.jit
-    def load_kv(self, tma, tXgX, tXsX, pipe, state, n_block: Int32):
+    def load_kv(self, src, state, n_block: Int32):
         """One K or V block into its pipeline stage (waits for the stage to be released)."""
+        tma, tXgX, tXsX, pipe = src
         self.acquire_empty(pipe, state)
         cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                   tma_bar_ptr=pipe.producer_get_barrier(state))

@@ -129,44 +129,26 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
     # ------------------------------------------------------------------------------------------
     # Paged cache: every K / V block is whole pages or part of one, each box at its page
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen, m_block, head, batch,
-             n_block_min, n_block_max, q_state, k_state, v_state):
+    def kv_sources(self, mK, mV, tma_K, tma_V, smem, pipes, seqlen, head_kv, batch):
         if cutlass.const_expr(self.page_size == 0):
-            return FlashFwdSm90.load(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, seqlen, m_block,
-                                     head, batch, n_block_min, n_block_max, q_state, k_state, v_state)
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1), cute.group_modes(smem.sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        k_src = (tma_K, mK, smem.sK, self.hdim, pipes.k)
-        v_src = (tma_V, mV, smem.sV, self.hdim_v, pipes.v)
-        # The order of the contiguous load: K first, then Q, then K(n-1) ahead of V(n).
-        n_block = n_block_max - 1
-        if n_block_max > n_block_min:
-            self.load_pages(k_src, k_state, n_block, head_kv, batch, seqlen)
-            k_state.advance()
-        self.acquire_empty(pipes.q, q_state)
-        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipes.q.producer_get_barrier(q_state))
-        q_state.advance()
-        if n_block_max > n_block_min:
-            for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
-                self.load_pages(k_src, k_state, n_block - 1, head_kv, batch, seqlen)
-                k_state.advance()
-                self.load_pages(v_src, v_state, n_block, head_kv, batch, seqlen)
-                v_state.advance()
-                n_block -= 1
-            self.load_pages(v_src, v_state, n_block, head_kv, batch, seqlen)
-            v_state.advance()
-        return q_state, k_state, v_state
+            return FlashFwdSm90.kv_sources(self, mK, mV, tma_K, tma_V, smem, pipes, seqlen, head_kv, batch)
+        return ((tma_K, mK, smem.sK, self.hdim, pipes.k, head_kv, batch, seqlen),
+                (tma_V, mV, smem.sV, self.hdim_v, pipes.v, head_kv, batch, seqlen))
 
     @cute.jit
-    def load_pages(self, src, state, n_block: Int32, head_kv, batch, seqlen):
+    def load_kv(self, src, state, n_block: Int32):
+        if cutlass.const_expr(self.page_size == 0):
+            FlashFwdSm90.load_kv(self, src, state, n_block)
+        else:
+            self.load_pages(src, state, n_block)
+
+    @cute.jit
+    def load_pages(self, src, state, n_block: Int32):
         """Block ``n_block`` of K or V into its stage: ``tile_n / page_box`` boxes, each from the page
         the page table gives for its first key. Boxes past the sequence end read its last page
         again (table entries past it may hold anything; those keys are masked, their V rows
         zeroed in ``first_half``), so the stage's transaction count always completes."""
-        tma, mX, sX, cols, pipe = src
+        tma, mX, sX, cols, pipe, head_kv, batch, seqlen = src
         n_boxes = self.tile_n // self.page_box
         # Lane j looks up box j's page (one load latency for the block, one register per lane);
         # the copies below take it with a shuffle.
