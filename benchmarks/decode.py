@@ -9,7 +9,7 @@ timed (``triton.testing.do_bench`` medians; the providers' order rotated over ``
 host overhead does not count for either side. ``ours+append`` also appends one new token with
 rotary at each step (what a serving loop runs); the other columns attend over the cache only.
 
-    python benchmarks/decode.py [--rounds 3] [--page-sizes 64 256] [--splits 1 4 16 32] [--out DIR]
+    python benchmarks/decode.py [--rounds 3] [--page-sizes 1 64 256] [--splits 1 4 16 32] [--out DIR]
 
 Writes ``decode.json`` and ``decode.md`` under ``--out`` and prints the table.
 """
@@ -112,7 +112,7 @@ def providers(batch: int, keys: int, page_size: int, splits: list[int]) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--page-sizes", type=int, nargs="*", default=[64, 256])
+    ap.add_argument("--page-sizes", type=int, nargs="*", default=[1, 64, 256])
     ap.add_argument("--keys", type=int, nargs="*", default=list(KEYS))
     ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     ap.add_argument("--splits", type=int, nargs="*", default=[],

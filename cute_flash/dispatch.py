@@ -189,14 +189,14 @@ def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: 
 def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
                  num_splits: int = 0) -> sm80_kvcache.KVCachePlan:
     """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: the forward family's
-    (``fwd_family``); paged caches are read by the sm90 kernel's TMA boxes only."""
-    if fwd_family(arch, p.hdim, p.hdim_v) == "sm90":
+    (``fwd_family``), except that pages the sm90 kernel's TMA boxes cannot take (sizes that are
+    not multiples of ``PAGE_BOX_MULTIPLE``) go to the sm80 kernel's row-by-row cp.async loads."""
+    tma_pages = page_size % sm90_kvcache.PAGE_BOX_MULTIPLE == 0
+    if fwd_family(arch, p.hdim, p.hdim_v) == "sm90" and tma_pages:
         return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
                                  num_splits=num_splits)
-    if page_size:
-        raise NotImplementedError(f"flash_attn_with_kvcache: paged KV caches run on Hopper GPUs (sm90) "
-                                  f"with the sm90 forward; this one is {arch}, forward family sm80")
-    return sm80_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, num_splits=num_splits)
+    return sm80_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
+                             num_splits=num_splits)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,6 @@ from cute_flash import validate
 
 Tensor = torch.Tensor
 
-# Pages reach shared memory as whole TMA boxes of swizzled 8-row groups, at least 16 rows (a
-# block of keys is whole pages or a part of one).
-PAGE_MULTIPLE = 16
-
 
 def _check_index(name: str, t: Tensor | None, batch: int, device: torch.device, rank: int = 1) -> None:
     if t is None:
@@ -115,9 +111,8 @@ def check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                     ("cache_leftpad", cache_leftpad)):
         _check_index(name, t, batch, q.device)
     _check_index("page_table", page_table, batch, q.device, rank=2)
-    if paged and k_cache.shape[1] % PAGE_MULTIPLE != 0:
-        raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, got "
-                         f"{k_cache.shape[1]}")
+    if paged and k_cache.shape[1] < 1:
+        raise ValueError(f"page_size (k_cache.shape[1]) must be >= 1, got shape {tuple(k_cache.shape)}")
     if paged and page_table.shape[1] > 1 and page_table.stride(1) != 1:
         raise ValueError(f"page_table must be contiguous in its last dim, got strides "
                          f"{tuple(page_table.stride())}")

@@ -5,6 +5,10 @@ its own row sums) and LSE, and ``ampere/combine.py`` merges them. The grid is (q
 heads, batches x splits); the split count comes from the host, each split's share of blocks from
 the lengths on the device, so a captured CUDA graph stays valid while ``cache_seqlens`` changes.
 
+A paged cache (num_pages, page_size, H_kv, d) is read in place with cp.async, each thread looking
+up the page of every row it copies (``device/paged_rows.py``): any page size works, one key per
+page included. This is also the paged path on Hopper for page sizes its TMA boxes do not take.
+
 Cache slots past a sequence's end may hold anything: cp.async skips those rows, K's are masked
 and V's zero-filled (the sm80 forward's partial-block handling), so neither stale nor NaN data
 reaches O.
@@ -18,6 +22,7 @@ from cutlass import Float32, Int32
 
 from cute_flash.ampere.fwd import FlashFwdSm80
 from cute_flash.device import warp_mma
+from cute_flash.device.paged_rows import load_paged_block
 from cute_flash.device.seqlen import CacheSeqlenInfo
 from cute_flash.device.softmax import score_scales
 from cute_flash.device.split_kv import split_block_range, store_partial_o
@@ -29,27 +34,29 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.split = cfg.split
+        self.page_size = cfg.page_size
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
                  mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, softmax_scale: Float32,
                  softcap: Float32, window_left: Int32, window_right: Int32, num_splits: Int32, stream):
-        """The KV-cache signature of every family (``mPageTable`` is None: contiguous caches)."""
+        """The KV-cache signature of every family; paged: ``mK`` / ``mV`` (num_pages, page_size, H_kv,
+        d) and ``mPageTable`` (B, max_pages)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3] * num_splits)
-        self.kv_kernel(mQ, mK, mV, mO, mLSE, mSeqUsedK, mCacheBatchIdx, mLeftPad, score_scale, scale_log2,
-                       window_left, window_right, num_splits, Storage).launch(
+        self.kv_kernel(mQ, mK, mV, mO, mLSE, mSeqUsedK, mCacheBatchIdx, mLeftPad, mPageTable, score_scale,
+                       scale_log2, window_left, window_right, num_splits, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kv_kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                   mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None, mLeftPad: cute.Tensor | None,
-                  score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-                  num_splits: Int32, Storage: cutlass.Constexpr):
+                  mPageTable: cute.Tensor | None, score_scale: Float32, scale_log2: Float32,
+                  window_left: Int32, window_right: Int32, num_splits: Int32, Storage: cutlass.Constexpr):
         self._setup()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch_split = cute.arch.block_idx()
@@ -59,6 +66,11 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
             split = batch_split - batch * num_splits
         seqlen = CacheSeqlenInfo(batch, mQ.shape[0], mSeqUsedK, mCacheBatchIdx, mLeftPad)
         seqlen.out_batch, seqlen.split, seqlen.num_splits = batch_split, split, num_splits
+        if cutlass.const_expr(self.page_size):
+            # One KV head of the page pools, (page_size, d, num_pages), and this sequence's pages.
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            seqlen.k_pool, seqlen.v_pool = mK[None, None, head_kv, None], mV[None, None, head_kv, None]
+            seqlen.pages = mPageTable[batch, None]
         self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left, window_right,
                          Storage, tidx, m_block, head, batch)
 
@@ -67,6 +79,26 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
         if cutlass.const_expr(self.split):
             return split_block_range(n_block_min, n_block_max, seqlen.split, seqlen.num_splits)
         return n_block_min, n_block_max
+
+    @cute.jit
+    def load_K(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(not self.page_size):
+            FlashFwdSm80.load_K(self, ctx, n_block, stage, partial)
+        else:
+            seqlen = ctx.seqlen
+            load_paged_block(self.copy_QK, seqlen.k_pool, seqlen.pages, ctx.tKsK[None, None, None, stage],
+                             ctx.tKcK, n_block, self.tile_n, self.page_size,
+                             seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=False)
+
+    @cute.jit
+    def load_V(self, ctx, n_block: Int32, stage: Int32, partial: cutlass.Constexpr[bool]):
+        if cutlass.const_expr(not self.page_size):
+            FlashFwdSm80.load_V(self, ctx, n_block, stage, partial)
+        else:
+            seqlen = ctx.seqlen
+            load_paged_block(self.copy_V, seqlen.v_pool, seqlen.pages, ctx.tVsV[None, None, None, stage],
+                             ctx.tVcV, n_block, self.tile_n, self.page_size,
+                             seqlen.seqlen_k - n_block * self.tile_n, partial, zero_fill=True)
 
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):

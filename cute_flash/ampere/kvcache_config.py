@@ -23,12 +23,13 @@ MAX_SPLITS = 128
 class FwdKVCacheConfig(FwdConfig):
     """The sm80 forward over a KV cache: per-batch key ranges ``[leftpad, seqused)`` of cache row
     ``cache_batch_idx[b]`` (``batch_idx`` / ``leftpad``: the kernel reads those tensors), and
-    ``split``: fp32 partials of an equal share of the key blocks, merged by the combine kernel.
-    Contiguous caches only (paged caches are Hopper's TMA path)."""
+    ``split``: fp32 partials of an equal share of the key blocks, merged by the combine kernel;
+    ``page_size`` > 0: a paged cache, any page size (cp.async row by row; 0: contiguous)."""
 
     split: bool = False
     batch_idx: bool = False
     leftpad: bool = False
+    page_size: int = 0
 
     kernel_name = "fwd_sm80_kvcache"
 
@@ -36,6 +37,14 @@ class FwdKVCacheConfig(FwdConfig):
         super().__post_init__()
         if self.varlen:
             raise ValueError("the KV-cache forward takes dense queries")
+        if self.page_size < 0 or (self.page_size and (self.batch_idx or self.leftpad)):
+            raise ValueError("paged KV: a page size >= 1, and the page table already maps sequences to "
+                             "their keys (no batch_idx / leftpad)")
+        if self.page_size and max(self.hdim, self.hdim_v) > 64:
+            # Each copied row's page lookup and address take registers the widest tiles do not have.
+            tile_m, tile_n, threads, stages = self.tiles
+            cap = 64 if max(self.hdim, self.hdim_v) <= 128 else 32
+            object.__setattr__(self, "tiles", (tile_m, min(tile_n, cap), threads, stages))
 
     def build(self):
         from cute_flash.ampere.fwd_kvcache import FlashFwdSm80KVCache
@@ -45,7 +54,7 @@ class FwdKVCacheConfig(FwdConfig):
     def fake_args(self) -> tuple:
         """The KV-cache call signature every family shares (``hopper/kvcache_config.py``)."""
         return kvcache_fake_args(self.dtype, self.hdim, self.hdim_v, self.split, self.batch_idx, self.leftpad,
-                                 0)
+                                 self.page_size)
 
 
 def kvcache_fake_args(dtype: str, hdim: int, hdim_v: int, split: bool, batch_idx: bool, leftpad: bool,
@@ -114,11 +123,12 @@ def split_count(num_sms: int, tiles: int, n_blocks: int, num_splits: int) -> int
     return max(1, min(num_splits, n_blocks, MAX_SPLITS))
 
 
-def plan(p: Problem, *, batch_idx: bool, leftpad: bool, num_splits: int = 0) -> KVCachePlan:
+def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
+         num_splits: int = 0) -> KVCachePlan:
     """The sm80 variant and split count of one call, from shapes only (``p.max_seqlen_k``: the
     cache's capacity)."""
     base = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                            local=p.local, softcap=p.softcap)
+                            local=p.local, softcap=p.softcap, page_size=page_size)
     tile_m, tile_n = base.tiles[:2]
     tiles = p.batch * p.heads_q * -(-p.max_seqlen_q // tile_m)
     splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits)

@@ -11,6 +11,9 @@ from cute_flash.ampere.kvcache_config import FwdCombineConfig, KVCachePlan, kvca
 from cute_flash.hopper.fwd_config import FwdSm90Config, sm90_tile
 from cute_flash.problem import Problem
 
+# Pages reach shared memory as whole TMA boxes of swizzled 8-row groups, at least 16 rows (a block
+# of keys is whole pages or a part of one); other page sizes take the sm80 kernel's cp.async rows.
+PAGE_BOX_MULTIPLE = 16
 
 def paged_tile_n(page_size: int, d: int, masked: bool) -> int:
     """The tuned tile_n of head dim ``d``, or the largest multiple of 16 below it that divides a page
@@ -38,8 +41,9 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
 
     def __post_init__(self) -> None:
         if self.page_size:
-            if self.page_size % 16 != 0:
-                raise ValueError(f"paged KV: page_size must be a multiple of 16, got {self.page_size}")
+            if self.page_size % PAGE_BOX_MULTIPLE != 0:
+                raise ValueError(f"paged KV: the TMA boxes take page sizes that are multiples of "
+                                 f"{PAGE_BOX_MULTIPLE}, got {self.page_size}")
             if self.batch_idx or self.leftpad:
                 raise ValueError("paged KV: the page table already maps sequences to their keys")
             if not self.tile_n:

@@ -91,9 +91,8 @@ BAD_CALLS = {
     "strided cache_seqlens": (ValueError, lambda: _bad(cache_seqlens=_i32(3, 0, 4, 0)[::2])),
     "cache rows out of range with full caches": (ValueError, lambda: _bad(k=None, v=None, cache_seqlens=None,
                                                                            cache_batch_idx=_i32(0, 5))),
-    "page size off the TMA boxes": (ValueError, lambda: _bad(k_cache=_bf(4, 24, 2, 64),
-                                                             v_cache=_bf(4, 24, 2, 64),
-                                                             page_table=_i32(0, 1, 2, 3).reshape(2, 2))),
+    "pages of no rows": (ValueError, lambda: _bad(k_cache=_bf(4, 0, 2, 64), v_cache=_bf(4, 0, 2, 64),
+                                                  page_table=_i32(0, 1, 2, 3).reshape(2, 2))),
     "non-contiguous head dim": (ValueError, lambda: _bad(q=_bf(2, 1, 4, 128)[..., ::2])),
 }
 
@@ -141,13 +140,25 @@ def test_speculative_queries_pack_the_group_while_they_fit_a_tile() -> None:
     assert _plan(batch=1, nq=64, capacity=8192).config.pack_gqa == 1  # 256 rows: one head per tile
 
 
-def test_other_gpus_plan_the_sm80_kernel_and_refuse_paged_caches() -> None:
+def test_other_gpus_plan_the_sm80_kernel_paged_caches_included() -> None:
     p = dispatch.kvcache_problem("bf16", 128, 128, causal=False, local=False, softcap=False, batch=1,
                                  seqlen_q=1, capacity=64 * 1024, heads_q=8, heads_kv=8, num_sms=108,
                                  q_dense=True)
     plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)
     assert plan.config.kernel_name == "fwd_sm80_kvcache" and plan.config.split and plan.num_splits == 108 // 8
-    with pytest.raises(NotImplementedError, match="Hopper"):
-        dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=64)
+    paged = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=64)
+    assert paged.config.kernel_name == "fwd_sm80_kvcache" and paged.config.page_size == 64
     hopper = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False)
     assert hopper.config.kernel_name == "fwd_sm90_kvcache"
+
+
+@pytest.mark.parametrize("page_size,kernel", [(16, "fwd_sm90_kvcache"), (256, "fwd_sm90_kvcache"),
+                                              (1, "fwd_sm80_kvcache"), (8, "fwd_sm80_kvcache"),
+                                              (40, "fwd_sm80_kvcache")])
+def test_hopper_reads_pages_by_tma_boxes_or_else_row_by_row(page_size: int, kernel: str) -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=2,
+                                 seqlen_q=1, capacity=32 * 1024, heads_q=32, heads_kv=8, num_sms=132,
+                                 q_dense=True)
+    plan = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, page_size=page_size)
+    assert plan.config.kernel_name == kernel and plan.config.page_size == page_size
+    assert plan.num_splits > 1

@@ -106,6 +106,9 @@ SM80 = [
     _sm80(),
     _sm80("fp16", 64, split=True, batch_idx=True, leftpad=True),
     _sm80(d=256, split=True, local=True, softcap=True),
+    # Paged caches read row by row: one key per page, and pages a block neither holds nor splits.
+    _sm80(split=True, causal=True, page_size=1),
+    _sm80("fp16", 64, page_size=48),
 ]
 
 
@@ -118,6 +121,10 @@ def test_sm80_kvcache_forward_compiles(cfg: FwdKVCacheConfig) -> None:
     assert _count(ptx, r"wgmma") == 0 and _count(ptx, r"cp\.async\.bulk") == 0
     if cfg.split:
         assert _count(ptx, r"st\.global\.v2\.b32") > 0  # fp32 partials, two columns per store
+    if cfg.page_size:
+        # Each copied row looks up its page: more global loads than the contiguous kernel's.
+        plain, _ = jit.compile_artifacts(replace(cfg, page_size=0))
+        assert _count(ptx, r"ld\.global") > _count(plain, r"ld\.global")
     _no_local_memory(ptx, cubin)
 
 

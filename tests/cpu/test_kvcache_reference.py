@@ -138,9 +138,10 @@ def test_batch_rows_and_left_padding_pick_each_sequences_keys(seed: int) -> None
     assert torch.equal(kc[untouched], k_cache[untouched])
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [1, 5, 16, 32])
 def test_a_paged_cache_gives_what_the_same_keys_give_contiguous(seed: int, page_size: int) -> None:
-    batch, pages_per_seq, h, hkv, d = 2, 4, 4, 2, 32
+    batch, h, hkv, d = 2, 4, 2, 32
+    pages_per_seq = -(-64 // page_size)
     capacity = pages_per_seq * page_size
     q, k_cache, v_cache, k, v = _inputs(batch, capacity, 2, 2, h, hkv, d)
     lens = torch.tensor([capacity - 2, 3], dtype=torch.int32)
@@ -152,7 +153,8 @@ def test_a_paged_cache_gives_what_the_same_keys_give_contiguous(seed: int, page_
     for b in range(batch):
         k_pages[table[b].long()] = k_cache[b].reshape(pages_per_seq, page_size, hkv, d)
         v_pages[table[b].long()] = v_cache[b].reshape(pages_per_seq, page_size, hkv, d)
-    table[1, 1:] = -7  # entries past the short sequence's last page may hold anything
+    used = -(-(3 + 2) // page_size)
+    table[1, used:] = -7  # entries past the short sequence's last page may hold anything
     kp, vp = k_pages.clone(), v_pages.clone()
     got = kvcache_attention_ref(q, kp, vp, k, v, cache_seqlens=lens, page_table=table, causal=True)
     want = kvcache_attention_ref(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens, causal=True)

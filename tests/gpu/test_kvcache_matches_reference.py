@@ -1,8 +1,9 @@
 """``flash_attn_with_kvcache`` on a Hopper GPU against the fp64 reference, under the 2x rule
 (error at most twice the same PyTorch math in the input dtype, + 1e-5): ragged ``cache_seqlens``
 (0 and a full cache included), GQA ratios, rotary on and off, append on and off, paged caches of
-several page sizes, cache rows and left padding, forced and planned split counts; the sm80
-kernel (forced with ``CUTE_FLASH_FWD_KERNEL=sm80``) on the contiguous cases. Cache slots no
+several page sizes (TMA boxes, and row by row), cache rows and left padding, forced and planned
+split counts; the sm80 kernel (forced with ``CUTE_FLASH_FWD_KERNEL=sm80``) on contiguous and paged
+cases. Cache slots no
 sequence owns hold NaN, so a kernel that reads past a sequence's end shows it. A CUDA graph
 captured once replays correctly while ``cache_seqlens`` changes.
 """
@@ -51,6 +52,9 @@ CASES = [
     Case(lens=(100, 3000, 0), capacity=4096, page_size=16),
     Case(lens=(100, 3000, 0), capacity=4096, page_size=64, rotary="neox"),
     Case(lens=(100, 3000, 4095), capacity=4096, page_size=256),
+    # Pages the TMA boxes do not take: one key per page, and 40 keys (read row by row, cp.async).
+    Case(lens=(0, 300, 1023), capacity=1024, page_size=1, rotary="gptj"),
+    Case(lens=(3999, 5, 1200), capacity=4000, page_size=40, nq=3, new=3, h=16, hkv=4, num_splits=5),
     Case(lens=(63, 500), capacity=1024, nq=4, new=4, h=8, hkv=1),  # speculative, 8 heads a KV head
     Case(lens=(0, 600), capacity=1024, nq=300, new=300, h=4, hkv=4, d=128),  # chunked prefill
     Case(lens=(40, 900), capacity=1024, new=0, batch_idx=True, leftpad=True, causal=False),
@@ -152,7 +156,7 @@ def test_kvcache_matches_the_fp64_reference(case: Case, seed: int) -> None:
     assert_lse_rule(lse, ref[1].float(), same[1], seed, _id(case))
 
 
-SM80_CASES = [c for c in CASES if not c.page_size][:6]
+SM80_CASES = [c for c in CASES if not c.page_size][:6] + [c for c in CASES if c.page_size == 64]
 
 
 @pytest.mark.parametrize("case", SM80_CASES, ids=_id)
