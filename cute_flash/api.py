@@ -159,7 +159,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_leftpad: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                             softmax_scale: float | None = None, causal: bool = False,
                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False
+                            rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False,
+                            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of new queries over a KV cache, with flash-attn's semantics (inference: no autograd).
 
@@ -174,13 +175,20 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     causal or local (else all at ``cache_seqlens``), pairs interleaved (GPT-J) or halves
     (``rotary_interleaved=False``, GPT-NeoX). ``cache_batch_idx`` (B,) int32: the cache row of each
     sequence; ``cache_leftpad`` (B,) int32: keys before it are not part of the sequence (rotary
-    positions count from it). Attention runs over each sequence's keys ``[leftpad, cache_seqlens +
-    N_new)`` with causal / window masks bottom-right aligned to them, GQA, softcap.
+    positions still count cache slots from 0, as in flash-attn). Attention runs over each
+    sequence's keys ``[leftpad, cache_seqlens + N_new)`` with causal / window masks bottom-right
+    aligned to them, GQA, softcap.
 
     ``num_splits``: 0 chooses how many CTAs share one sequence's keys from the shapes and the SM
     count (never from the lengths on the device, so a captured CUDA graph replays correctly while
     ``cache_seqlens`` changes); 1 never splits. Returns out (B, Nq, H, dv), or (out, lse) with lse
     (B, H, Nq) float32.
+
+    FP8 cache (Hopper): ``k_cache`` / ``v_cache`` torch.float8_e4m3fn with 16-bit q, holding
+    values / descale for float32 ``k_descale`` / ``v_descale`` (B, H_kv) (None: 1; the FP8
+    forward's convention, per sequence b, not per cache row). New ``k`` / ``v`` in q's dtype are
+    divided by them and rounded into the cache (saturating at +-448); e4m3 ones are written as
+    given. Out is in q's dtype.
     """
     flags = {"causal": causal, "rotary_interleaved": rotary_interleaved, "return_lse": return_lse}
     validate.check_call({"q": q, "k_cache": k_cache, "v_cache": v_cache}, flags)
@@ -188,6 +196,6 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = ops_kvcache.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                       cache_batch_idx, cache_leftpad, page_table, scale, bool(causal), wl,
-                                       wr, cap, bool(rotary_interleaved), num_splits)
+                                       cache_batch_idx, cache_leftpad, page_table, k_descale, v_descale,
+                                       scale, bool(causal), wl, wr, cap, bool(rotary_interleaved), num_splits)
     return (out, lse) if return_lse else out

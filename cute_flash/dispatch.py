@@ -187,14 +187,23 @@ def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: 
 
 
 def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
-                 num_splits: int = 0) -> sm80_kvcache.KVCachePlan:
+                 num_splits: int = 0, kv_dtype: str = "") -> sm80_kvcache.KVCachePlan:
     """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: the forward family's
-    (``fwd_family``), except that pages the sm90 kernel's TMA boxes cannot take (sizes that are
-    not multiples of ``PAGE_BOX_MULTIPLE``) go to the sm80 kernel's row-by-row cp.async loads."""
-    tma_pages = page_size % sm90_kvcache.PAGE_BOX_MULTIPLE == 0
-    if fwd_family(arch, p.hdim, p.hdim_v) == "sm90" and tma_pages:
+    (``fwd_family``), except that pages the sm90 kernel's TMA boxes do not take
+    (``takes_pages``) go to the sm80 kernel's row-by-row cp.async loads. ``kv_dtype`` "e4m3": an
+    FP8 cache, read by the sm90 kernel only."""
+    d = max(p.hdim, p.hdim_v)
+    hopper = fwd_family(arch, p.hdim, p.hdim_v) == "sm90"
+    fp8 = bool(kv_dtype)
+    if hopper and (not page_size or sm90_kvcache.takes_pages(page_size, d, p.masked, fp8)):
         return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
-                                 num_splits=num_splits)
+                                 num_splits=num_splits, kv_dtype=kv_dtype)
+    if fp8:
+        family = fwd_family(arch, p.hdim, p.hdim_v)
+        where = f"page size {page_size}" if hopper else f"{arch} with the {family} family"
+        raise NotImplementedError(f"flash_attn_with_kvcache: an e4m3 KV cache runs on the sm90 kernel with "
+                                  f"page sizes that are multiples of {sm90_kvcache.PAGE_BOX_MULTIPLE} "
+                                  f"(tiles of 64+ keys); not on {where}")
     return sm80_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
                              num_splits=num_splits)
 

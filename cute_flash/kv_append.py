@@ -46,10 +46,31 @@ def cache_slots(cache_seqlens: Tensor, count: int) -> Tensor:
     return rotary_positions(cache_seqlens, count, per_token=True)
 
 
+E4M3_MAX = 448.0
+
+
+def is_fp8(t: Tensor) -> bool:
+    return t.dtype == torch.float8_e4m3fn
+
+
+def quantize_new(new: Tensor, cache: Tensor, descale: Tensor | None) -> Tensor:
+    """New tokens (B, count, H, d) in the cache's dtype: for an e4m3 cache, values in another dtype
+    are divided by the (B, H) descale (1 when None) and rounded, saturating at +-448; e4m3 values
+    are taken as already scaled."""
+    if not is_fp8(cache) or is_fp8(new):
+        return new.to(cache.dtype)
+    x = new.float()
+    if descale is not None:
+        x = x / descale.float()[:, None, :, None]
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(cache.dtype)
+
+
 def write_new(cache: Tensor, new: Tensor, slots: Tensor, rows: Tensor | None,
               page_table: Tensor | None) -> None:
     """``new`` (B, count, H, d) into ``cache`` at ``slots``: of cache rows ``rows`` (B,), or of the
     pages ``page_table`` lists for a paged cache (num_pages, page_size, H, d)."""
+    if is_fp8(cache):  # (written as bytes: index_put_ covers every integer dtype)
+        cache, new = cache.view(torch.uint8), new.view(torch.uint8)
     if page_table is not None:
         page_size = cache.shape[1]
         pages = page_table.to(torch.int64).gather(1, slots // page_size)
@@ -78,22 +99,25 @@ def rotary_per_token(causal: bool, window_size: tuple[int, int], capacity: int) 
 def append_and_rotate(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
                       rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor,
                       cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
-                      per_token_q: bool, interleaved: bool) -> Tensor:
-    """The new k / v (rotated when cos / sin are given) written into the caches in place; returns q,
-    rotated at the new tokens' positions when ``per_token_q`` (causal / local: query i is token
-    i) or all at the first new position (flash-attn's convention otherwise)."""
+                      per_token_q: bool, interleaved: bool, k_descale: Tensor | None = None,
+                      v_descale: Tensor | None = None) -> Tensor:
+    """The new k / v (rotated when cos / sin are given; quantized with the descales into an e4m3
+    cache) written into the caches in place; returns q, rotated at the new tokens' positions when
+    ``per_token_q`` (causal / local: query i is token i) or all at the first new position
+    (flash-attn's convention otherwise)."""
     if k is None:
         return q
     if rotary_cos is not None:
-        base = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
-        k = apply_rotary(k, rotary_cos, rotary_sin, rotary_positions(base, k.shape[1], True), interleaved)
-        q = apply_rotary(q, rotary_cos, rotary_sin, rotary_positions(base, q.shape[1], per_token_q),
+        # Positions are cache slots, left padding included (flash-attn's convention).
+        k = apply_rotary(k, rotary_cos, rotary_sin, rotary_positions(cache_seqlens, k.shape[1], True),
+                         interleaved)
+        q = apply_rotary(q, rotary_cos, rotary_sin, rotary_positions(cache_seqlens, q.shape[1], per_token_q),
                          interleaved)
     rows = None
     if page_table is None:
         rows = cache_batch_idx if cache_batch_idx is not None else \
             torch.arange(q.shape[0], device=q.device, dtype=torch.int64)
     slots = cache_slots(cache_seqlens, k.shape[1])
-    write_new(k_cache, k, slots, rows, page_table)
-    write_new(v_cache, v, slots, rows, page_table)
+    write_new(k_cache, quantize_new(k, k_cache, k_descale), slots, rows, page_table)
+    write_new(v_cache, quantize_new(v, v_cache, v_descale), slots, rows, page_table)
     return q

@@ -23,8 +23,9 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
     arch = jit.device_arch(q.device)
     # (The family is part of the key: CUTE_FLASH_FWD_KERNEL is read at every call.)
     family = dispatch.fwd_family(arch, q.shape[-1], v_cache.shape[-1])
-    key = (q.dtype, tuple(q.shape), q.stride(), tuple(k_cache.shape[2:]), v_cache.shape[-1], capacity,
-           q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits, family)
+    key = (q.dtype, tuple(q.shape), q.stride(), k_cache.dtype, tuple(k_cache.shape[2:]), v_cache.shape[-1],
+           capacity, q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits,
+           family)
     hit = _PLANS.get(key)
     if hit is None:
         p = dispatch.kvcache_problem(formats.dtype_name(q.dtype), q.shape[-1], v_cache.shape[-1],
@@ -32,8 +33,9 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
                                      seqlen_q=q.shape[1], capacity=capacity, heads_q=q.shape[2],
                                      heads_kv=k_cache.shape[2], num_sms=launch.sm_count(q.device),
                                      q_dense=launch.dense_bnhd(q))
-        plan = dispatch.kvcache_plan(arch, p, batch_idx=batch_idx, leftpad=leftpad,
-                                     page_size=page_size, num_splits=num_splits)
+        kv_dtype = "e4m3" if kv_append.is_fp8(k_cache) else ""
+        plan = dispatch.kvcache_plan(arch, p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
+                                     num_splits=num_splits, kv_dtype=kv_dtype)
         merge = None if plan.combine is None else jit.compile_kernel(plan.combine)
         hit = (plan, jit.compile_kernel(plan.config), merge)
         _PLANS.put(key, hit)
@@ -43,7 +45,8 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
 def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
                     rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
                     cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
-                    out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
+                    k_descale: Tensor | None, v_descale: Tensor | None, out: Tensor, lse: Tensor, *,
+                    softmax_scale: float, causal: bool,
                     window_size: tuple[int, int], softcap: float, rotary_interleaved: bool,
                     num_splits: int) -> None:
     """On validated CUDA tensors: appends to the caches in place and writes ``out`` (B, Nq, H, dv)
@@ -54,14 +57,20 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     if cache_seqlens is None:
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     per_token = kv_append.rotary_per_token(causal, window_size, capacity)
-    q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                    cache_batch_idx, cache_leftpad, page_table, per_token, rotary_interleaved)
-    causal, local, left, right = launch.normalize_window(causal, window_size)
-    seqused = cache_seqlens + new if new else cache_seqlens
+    causal_k, local, left, right = launch.normalize_window(causal, window_size)
     page_size = 0 if page_table is None else k_cache.shape[1]
-    plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal, local, softcap,
+    # Planned (and compiled) before the append: a call that cannot run leaves the caches untouched.
+    plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal_k, local, softcap,
                             cache_batch_idx is not None, cache_leftpad is not None, page_size, num_splits)
-    index = (seqused, cache_batch_idx, cache_leftpad, page_table)
+    q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                    cache_batch_idx, cache_leftpad, page_table, per_token, rotary_interleaved,
+                                    k_descale, v_descale)
+    seqused = cache_seqlens + new if new else cache_seqlens
+    descales = (None, None)
+    if kv_append.is_fp8(k_cache):
+        ones = torch.ones((batch, k_cache.shape[2]), dtype=torch.float32, device=q.device)
+        descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+    index = (seqused, cache_batch_idx, cache_leftpad, page_table, *descales)
     scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 0.0, left, right, plan.num_splits)
     if merge is None:
         fn(q, k_cache, v_cache, out, lse, *index, *scalars)

@@ -30,16 +30,17 @@ def _check(args: tuple, scale: float, window: tuple[int, int], softcap: float, n
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
                 rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
                 cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
-                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                rotary_interleaved: bool, num_splits: int) -> tuple[Tensor, Tensor]:
+                k_descale: Tensor | None, v_descale: Tensor | None, softmax_scale: float, causal: bool,
+                window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                num_splits: int) -> tuple[Tensor, Tensor]:
     """(out (B, Nq, H, dv), lse (B, H, Nq) float32); k / v appended to the caches in place."""
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table)
+            page_table, k_descale, v_descale)
     _check(args, softmax_scale, (window_left, window_right), softcap, num_splits)
     out, lse = _alloc(q, v_cache)
     ref_out, ref_lse = reference_kvcache.kvcache_attention_ref(
-        *args, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, rotary_interleaved=rotary_interleaved)
+        *args[:-2], softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, rotary_interleaved=rotary_interleaved, k_descale=k_descale, v_descale=v_descale)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
@@ -47,10 +48,10 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v
 
 @fwd_kvcache.register_kernel("cuda")
 def _fwd_kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, page_table, softmax_scale, causal, window_left, window_right, softcap,
-                      rotary_interleaved, num_splits):
+                      cache_leftpad, page_table, k_descale, v_descale, softmax_scale, causal, window_left,
+                      window_right, softcap, rotary_interleaved, num_splits):
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table)
+            page_table, k_descale, v_descale)
     _check(args, softmax_scale, (window_left, window_right), softcap, num_splits)
     out, lse = _alloc(q, v_cache)
     if q.shape[0] == 0:  # no sequence: nothing to append or attend
@@ -64,8 +65,9 @@ def _fwd_kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-      page_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits):
+      page_table, k_descale, v_descale, softmax_scale, causal, window_left, window_right, softcap,
+      rotary_interleaved, num_splits):
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            page_table)
+            page_table, k_descale, v_descale)
     _check(args, softmax_scale, (window_left, window_right), softcap, num_splits, check_data=False)
     return _alloc(q, v_cache)

@@ -19,10 +19,13 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
                           cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
                           page_table: Tensor | None = None, *, softmax_scale: float | None = None,
                           causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                          rotary_interleaved: bool = True, upcast: bool = True) -> tuple[Tensor, Tensor]:
+                          rotary_interleaved: bool = True, upcast: bool = True,
+                          k_descale: Tensor | None = None, v_descale: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor]:
     """(out (B, Nq, H, dv) in the compute dtype, lse (B, H, Nq)); the caches are updated in place.
     ``upcast=False``: the same math in the input dtype (the 2x rule's comparison). ``cache_seqlens``
-    None: every cache row is full (no append)."""
+    None: every cache row is full (no append). An e4m3 cache holds values / descale: sequence b's
+    keys are read as code x ``k_descale[b, h]`` (values likewise; None: 1)."""
     batch = q.shape[0]
     capacity = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
     if cache_seqlens is None:
@@ -30,7 +33,7 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
     per_token = kv_append.rotary_per_token(causal, window_size, capacity)
     q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                     cache_batch_idx, cache_leftpad, page_table, per_token,
-                                    rotary_interleaved)
+                                    rotary_interleaved, k_descale, v_descale)
     keys, values = k_cache, v_cache
     if page_table is not None:
         keys = kv_append.logical_cache(k_cache, page_table)
@@ -41,15 +44,26 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
     rows = list(range(batch)) if cache_batch_idx is None else cache_batch_idx.tolist()
     outs, lses = [], []
     for b in range(batch):
-        kb = keys[rows[b], starts[b]:ends[b]].unsqueeze(0)
-        vb = values[rows[b], starts[b]:ends[b]].unsqueeze(0)
+        kb = _dequantize(keys[rows[b], starts[b]:ends[b]], k_descale, b, q.dtype, upcast).unsqueeze(0)
+        vb = _dequantize(values[rows[b], starts[b]:ends[b]], v_descale, b, q.dtype, upcast).unsqueeze(0)
         ob, lb = reference.attention_ref(q[b:b + 1], kb, vb, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, upcast=upcast)
         outs.append(ob)
         lses.append(lb)
     if not outs:  # no batch
-        return reference.attention_ref(q, keys[:0], values[:0], softmax_scale=softmax_scale, upcast=upcast)
+        return reference.attention_ref(q, keys[:0].to(q.dtype), values[:0].to(q.dtype),
+                                       softmax_scale=softmax_scale, upcast=upcast)
     return torch.cat(outs), torch.cat(lses)
+
+
+def _dequantize(x: Tensor, descale: Tensor | None, b: int, dtype: torch.dtype, upcast: bool) -> Tensor:
+    """One sequence's keys or values (N, H, d) in the queries' compute dtype; e4m3 codes times the
+    sequence's (H,) descales."""
+    if not kv_append.is_fp8(x):
+        return x
+    dt = torch.float64 if dtype == torch.float64 else (torch.float32 if upcast else dtype)
+    x = x.to(dt)
+    return x if descale is None else x * descale[b].to(dt)[None, :, None]
 
 
 def merge_splits_ref(o_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_flash import validate
+from cute_flash import kv_append, validate
 
 Tensor = torch.Tensor
 
@@ -87,10 +87,45 @@ def _check_rotary(q: Tensor, k: Tensor | None, cos: Tensor | None, sin: Tensor |
                          f"{tuple(sin.shape)}")
 
 
+def _check_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                  k_descale: Tensor | None, v_descale: Tensor | None) -> None:
+    """16-bit q; caches of q's dtype, or both e4m3 (new k / v then in q's dtype, quantized with
+    the descales, or e4m3 already); (B, H_kv) float32 descales with an e4m3 cache only."""
+    fp8 = kv_append.is_fp8(k_cache)
+    if not fp8:
+        tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        if k is not None:
+            tensors.update(k=k, v=v)
+        validate.check_dtypes(tensors)
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("k_descale / v_descale go with an e4m3 (torch.float8_e4m3fn) cache")
+        return
+    validate.check_dtypes({"q": q})
+    if not kv_append.is_fp8(v_cache):
+        raise TypeError(f"k_cache is float8_e4m3fn: v_cache must be too, got "
+                        f"{validate._fmt_dtype(v_cache.dtype)}")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and t.dtype not in (q.dtype, torch.float8_e4m3fn):
+            raise TypeError(f"{name} for an e4m3 cache must be in q's dtype ({validate._fmt_dtype(q.dtype)}) "
+                            f"or float8_e4m3fn, got {validate._fmt_dtype(t.dtype)}")
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        validate._require_tensor(name, t)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {validate._fmt_dtype(t.dtype)}")
+        if tuple(t.shape) != (q.shape[0], k_cache.shape[2]) or (t.numel() > 1 and not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous (B, H_kv) = ({q.shape[0]}, {k_cache.shape[2]}), got "
+                             f"shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} with q, got {t.device}")
+
+
 def check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
                   rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
-                  cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None, *,
-                  softmax_scale: float, window_size: tuple[int, int], softcap: float, num_splits: int,
+                  cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
+                  k_descale: Tensor | None = None, v_descale: Tensor | None = None, *, softmax_scale: float,
+                  window_size: tuple[int, int], softcap: float, num_splits: int,
                   check_data: bool = True) -> None:
     validate._require_tensor("q", q)
     if q.dim() != 4 or q.shape[1] < 1:
@@ -101,7 +136,7 @@ def check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if k is not None:
         tensors.update(k=k, v=v)
-    validate.check_dtypes(tensors)
+    _check_dtypes(q, k_cache, v_cache, k, v, k_descale, v_descale)
     validate.check_same_device(tensors)
     for name, t in tensors.items():
         validate.check_layout(name, t, check_data=check_data)
@@ -179,7 +214,7 @@ def _check_index_data(q: Tensor, k_cache: Tensor, k: Tensor | None, rotary_cos: 
                 raise ValueError(f"page_table[{b}] holds page {bad[0]}, outside the cache's "
                                  f"{k_cache.shape[0]} pages")
     if rotary_cos is not None:
-        need = max((n - p + max(new, q.shape[1]) for n, p in zip(lens, pads, strict=True)), default=0)
+        need = max((n + max(new, q.shape[1]) for n in lens), default=0)
         if need > rotary_cos.shape[0]:
             raise ValueError(f"rotary_cos / rotary_sin have {rotary_cos.shape[0]} positions; this call needs "
                              f"{need}")

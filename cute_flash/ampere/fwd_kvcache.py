@@ -39,10 +39,11 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
-                 mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, softmax_scale: Float32,
-                 softcap: Float32, window_left: Int32, window_right: Int32, num_splits: Int32, stream):
+                 mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, mKDescale: cute.Tensor | None,
+                 mVDescale: cute.Tensor | None, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, num_splits: Int32, stream):
         """The KV-cache signature of every family; paged: ``mK`` / ``mV`` (num_pages, page_size, H_kv,
-        d) and ``mPageTable`` (B, max_pages)."""
+        d) and ``mPageTable`` (B, max_pages). The descales are None (16-bit caches only here)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)

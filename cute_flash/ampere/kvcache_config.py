@@ -58,25 +58,27 @@ class FwdKVCacheConfig(FwdConfig):
 
 
 def kvcache_fake_args(dtype: str, hdim: int, hdim_v: int, split: bool, batch_idx: bool, leftpad: bool,
-                      page_size: int) -> tuple:
-    """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, softmax_scale,
-    softcap, window_left, window_right, num_splits, stream); ``o`` / ``lse`` fp32 partials
-    (B * num_splits, ...) with ``split``; ``page_size`` > 0: a paged (num_pages, page_size, H_kv, d)
-    cache and its (B, max_pages) table."""
+                      page_size: int, kv_dtype: str = "") -> tuple:
+    """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, k_descale,
+    v_descale, softmax_scale, softcap, window_left, window_right, num_splits, stream); ``o`` /
+    ``lse`` fp32 partials (B * num_splits, ...) with ``split``; ``page_size`` > 0: a paged
+    (num_pages, page_size, H_kv, d) cache and its (B, max_pages) table; ``kv_dtype`` "e4m3": an FP8
+    cache with fp32 (B, H_kv) descales (else None)."""
     dt, f32, i32 = jit.DTYPES[dtype], cutlass.Float32, cutlass.Int32
-    div = jit.vec_div(dt)
+    kvt = cutlass.Float8E4M3FN if kv_dtype == "e4m3" else dt
     b, bo, bc, nq, nk, h, hkv, pages = (jit.sym() for _ in range(8))
     nk = page_size or nk  # (paged: bc counts pages)
-    q = jit.fake_tensor(dt, (b, nq, h, hdim), divisibility=div)
-    k = jit.fake_tensor(dt, (bc, nk, hkv, hdim), divisibility=div)
-    v = jit.fake_tensor(dt, (bc, nk, hkv, hdim_v), divisibility=div)
+    q = jit.fake_tensor(dt, (b, nq, h, hdim), divisibility=jit.vec_div(dt))
+    k = jit.fake_tensor(kvt, (bc, nk, hkv, hdim), divisibility=jit.vec_div(kvt))
+    v = jit.fake_tensor(kvt, (bc, nk, hkv, hdim_v), divisibility=jit.vec_div(kvt))
     o_dt = f32 if split else dt
     o = jit.fake_tensor(o_dt, (bo, nq, h, hdim_v), divisibility=jit.vec_div(o_dt))
     lse = jit.fake_tensor(f32, (bo, h, nq), divisibility=1)
     per_batch = [jit.fake_tensor(i32, (b,), leading_dim=0) if on else None
                  for on in (True, batch_idx, leftpad)]
     table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if page_size else None
-    return (q, k, v, o, lse, *per_batch, table, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
+    descales = [jit.fake_tensor(f32, (b, hkv), leading_dim=1) if kv_dtype else None for _ in range(2)]
+    return (q, k, v, o, lse, *per_batch, table, *descales, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
             jit.fake_stream())
 
 
@@ -115,12 +117,16 @@ class KVCachePlan:
     combine: FwdCombineConfig | None
 
 
-def split_count(num_sms: int, tiles: int, n_blocks: int, num_splits: int) -> int:
-    """Splits per tile: ``num_splits`` if given (clipped to the key blocks), else enough to fill the
-    SMs once with at least ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
+# A grid's y / z extent; the batch x split extent is one of them.
+MAX_GRID_YZ = 65535
+
+
+def split_count(num_sms: int, tiles: int, n_blocks: int, num_splits: int, batch: int = 1) -> int:
+    """Splits per tile: ``num_splits`` if given (clipped to the key blocks and the grid), else enough
+    to fill the SMs once with at least ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
     if num_splits <= 0:
         num_splits = min(num_sms // max(tiles, 1), n_blocks // MIN_BLOCKS_PER_SPLIT)
-    return max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    return max(1, min(num_splits, n_blocks, MAX_SPLITS, MAX_GRID_YZ // max(batch, 1)))
 
 
 def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
@@ -131,7 +137,7 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
                             local=p.local, softcap=p.softcap, page_size=page_size)
     tile_m, tile_n = base.tiles[:2]
     tiles = p.batch * p.heads_q * -(-p.max_seqlen_q // tile_m)
-    splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits)
+    splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
     cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad)
     combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
     return KVCachePlan(cfg, splits, combine)

@@ -344,12 +344,7 @@ class FlashFwdSm90:
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.tx_Q, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.tx_K, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.tx_V, defer_sync=True)
+        pipes = warp_mma.Ctx(q=pipe_q, **self.kv_pipes(storage, producer, consumers))
         self.init_smem(storage)
         # Barrier inits visible to the async proxy and to every thread before first use.
         cute.arch.mbarrier_init_fence()
@@ -361,15 +356,13 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(self.sK_layout.outer, swizzle=self.sK_layout.inner)
         sV = storage.sV.get_tensor(self.sV_layout.outer, swizzle=self.sV_layout.inner)
         smem = warp_mma.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
-        pipes = warp_mma.Ctx(q=pipe_q, k=pipe_k, v=pipe_v)
         geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                            window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
                            next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self.producer(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo)
+            self.producer_warps(warp_idx, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(mQ, mK, mO, mLSE, tma_O, smem, pipes, geo, score_scale, scale_log2, extra)
@@ -441,6 +434,23 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
+    def kv_pipes(self, storage, producer, consumers) -> dict:
+        """The K and V pipelines the consumers read (``k``, ``v``), and any a subclass adds: here
+        TMA pipelines, completed by the loads' transaction counts."""
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_K, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.tx_V, defer_sync=True)
+        return {"k": pipe_k, "v": pipe_v}
+
+    @cute.jit
+    def producer_warps(self, warp_idx, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo):
+        """The producer warpgroup's work: warp 0 loads, the other three idle."""
+        if warp_idx == 0:
+            self.producer(mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo)
+
     @cute.jit
     def producer(self, mQ, mK, mV, tma_Q, tma_K, tma_V, smem, pipes, geo):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)

@@ -46,12 +46,14 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
-                 mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, softmax_scale: Float32,
-                 softcap: Float32, window_left: Int32, window_right: Int32, num_splits: Int32, stream):
+                 mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, mKDescale: cute.Tensor | None,
+                 mVDescale: cute.Tensor | None, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, num_splits: Int32, stream):
         """``mO`` / ``mLSE``: (B, N, H, d_v) / (B, H, N) in the output dtype, or with ``split`` the
         fp32 partials (B * num_splits, N, H, d_v) / (B * num_splits, H, N), batch-major. Paged:
-        ``mK`` / ``mV`` (num_pages, page_size, H_kv, d) and ``mPageTable`` (B, max_pages)."""
-        extra = (mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable)
+        ``mK`` / ``mV`` (num_pages, page_size, H_kv, d) and ``mPageTable`` (B, max_pages). An e4m3
+        cache comes with fp32 (B, H_kv) descales (else None)."""
+        extra = (mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable, mKDescale, mVDescale)
         # (The tile counter is never read: the grid is one CTA per tile.)
         self._launch(mQ, mK, mV, mO, mLSE, None, None, softmax_scale, softcap, window_left, window_right,
                      Int32(0), mSeqUsedK, extra, stream)
@@ -76,7 +78,7 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
     def tile_work(self, mQ, mK, geo, tile_idx):
         masked = self.is_causal or self.is_local
         m_block, head, batch_split = TileScheduler.tile(geo.sched_params, tile_idx, masked, False)
-        mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable = geo.extra
+        mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable = geo.extra[:5]
         batch, split = batch_split, Int32(0)
         if cutlass.const_expr(self.split):
             batch = batch_split // num_splits

@@ -48,7 +48,9 @@ class AttentionSpec:
     varlen: bool = False
     backward: bool = True
     deterministic: bool = False
-    fp8: bool = False  # the ``fp8=True`` forward: quantize with the rotation, then e4m3 attention
+    # The ``fp8=True`` forward (quantize with the rotation, then e4m3 attention); with ``kvcache``, an
+    # e4m3 cache.
+    fp8: bool = False
     # ``flash_attn_with_kvcache`` (decoding, chunked prefill) over a cache of these pages (0: contiguous).
     kvcache: bool = False
     page_size: int = 0
@@ -90,10 +92,10 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
     # (The launchers' own mask rule: a causal window is the window (left, 0), not causal.)
     causal, local, _, _ = launch.normalize_window(spec.causal, (1, 1) if spec.window else (-1, -1))
     pairs = [(n, n) for n in seqlens] + (list(DECODE) if decode and not spec.varlen else [])
-    if spec.fp8:
-        return _plan_fp8(spec, arch, num_sms, pairs, causal, local)
     if spec.kvcache:
         return _plan_kvcache(spec, arch, num_sms, causal, local)
+    if spec.fp8:
+        return _plan_fp8(spec, arch, num_sms, pairs, causal, local)
     fwd_family = dispatch.fwd_family(arch, spec.hdim, dv)
     bwd_family = dispatch.bwd_family(arch, spec.hdim, dv, spec.softcap) if spec.backward else None
     masks = dict(causal=causal, local=local, softcap=spec.softcap, varlen=spec.varlen)
@@ -137,8 +139,8 @@ def _plan_kvcache(spec: AttentionSpec, arch: str, num_sms: int, causal: bool,
     """The KV-cache kernel and merge of every (queries, batch, cache size) the launcher may see: the
     plan packs GQA by the query rows and splits by the tiles and the cache's key blocks (one, a
     few, many), never by the lengths in the cache."""
-    if spec.backward or spec.varlen or spec.fp8:
-        raise ValueError("the KV-cache path is a forward over dense queries, without fp8")
+    if spec.backward or spec.varlen:
+        raise ValueError("the KV-cache path is a forward over dense queries")
     dv = spec.hdim if spec.hdim_v is None else spec.hdim_v
     out: dict[jit.KernelConfig, None] = {}
     for nq in (n for n in SEQLENS if n <= 4096):
@@ -149,7 +151,7 @@ def _plan_kvcache(spec: AttentionSpec, arch: str, num_sms: int, causal: bool,
                                              capacity=capacity, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
                                              num_sms=num_sms, q_dense=True)
                 plan = dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False,
-                                             page_size=spec.page_size)
+                                             page_size=spec.page_size, kv_dtype="e4m3" if spec.fp8 else "")
                 out[plan.config] = None
                 if plan.combine is not None:
                     out[plan.combine] = None
@@ -232,7 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
     p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
     p.add_argument("--fp8", action="store_true", help="the fp8=True forward instead (Hopper: quantize with "
-                                                     "the rotation, e4m3 attention; no backward)")
+                                                     "the rotation, e4m3 attention; no backward); with "
+                                                     "--kvcache, an e4m3 cache")
     p.add_argument("--kvcache", action="store_true", help="the flash_attn_with_kvcache kernels instead "
                                                          "(decoding, chunked prefill; forward only)")
     p.add_argument("--page-size", type=int, default=0, help="with --kvcache: a paged cache of these pages")
@@ -275,10 +278,8 @@ def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
 
 def _fp8_fields(args: argparse.Namespace) -> dict:
     """The fields of --fp8 and --kvcache (both forward only)."""
-    if args.kvcache and args.fp8:
-        raise SystemExit("--kvcache and --fp8 are different paths: warm them in two calls")
-    if args.kvcache:
-        return dict(kvcache=True, page_size=args.page_size, backward=False)
+    if args.kvcache:  # (with --fp8: an e4m3 cache)
+        return dict(kvcache=True, fp8=args.fp8, page_size=args.page_size, backward=False)
     return dict(fp8=True, backward=False) if args.fp8 else {}
 
 

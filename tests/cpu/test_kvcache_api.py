@@ -32,8 +32,19 @@ def test_opcheck_with_the_caches_mutated(seed: int) -> None:
     a = _call_args()
     cos, sin = torch.randn(64, 16), torch.randn(64, 16)
     args = (a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], cos, sin, a["cache_seqlens"], None, None,
-            None, 0.125, True, -1, -1, 0.0, False, 0)
+            None, None, None, 0.125, True, -1, -1, 0.0, False, 0)
     torch.library.opcheck(torch.ops.cute_flash.fwd_kvcache, args)
+
+
+def test_opcheck_with_an_fp8_cache_and_descales(seed: int) -> None:
+    a = _call_args()
+    kc, vc = a["k_cache"].to(torch.float8_e4m3fn), a["v_cache"].to(torch.float8_e4m3fn)
+    kd, vd = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5
+    args = (a["q"], kc, vc, a["k"], a["v"], None, None, a["cache_seqlens"], None, None, None, kd, vd, 0.125,
+            True, -1, -1, 0.0, False, 0)
+    # (test_schema compares mutated inputs with a multiply PyTorch's CPU backend lacks for float8.)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.cute_flash.fwd_kvcache, args, test_utils=utils)
 
 
 def test_compiled_calls_append_like_eager_calls(seed: int) -> None:
@@ -57,6 +68,14 @@ def _bad(**changes):
     a = _call_args()
     a.update(changes)
     return a
+
+
+def _f8(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+def _fp8_caches() -> dict:
+    return dict(k_cache=_f8(2, 32, 2, 64), v_cache=_f8(2, 32, 2, 64))
 
 
 def _paged(table: list, **more) -> dict:
@@ -94,6 +113,12 @@ BAD_CALLS = {
     "pages of no rows": (ValueError, lambda: _bad(k_cache=_bf(4, 0, 2, 64), v_cache=_bf(4, 0, 2, 64),
                                                   page_table=_i32(0, 1, 2, 3).reshape(2, 2))),
     "non-contiguous head dim": (ValueError, lambda: _bad(q=_bf(2, 1, 4, 128)[..., ::2])),
+    "descales with a 16-bit cache": (ValueError, lambda: _bad(k_descale=torch.ones(2, 2))),
+    "an e4m3 k_cache with a bf16 v_cache": (TypeError, lambda: _bad(k_cache=_f8(2, 32, 2, 64))),
+    "e4m3 queries": (TypeError, lambda: _bad(q=_f8(2, 1, 4, 64), **_fp8_caches())),
+    "descales of the wrong shape": (ValueError, lambda: _bad(**_fp8_caches(), k_descale=torch.ones(2, 4))),
+    "float16 descales": (TypeError, lambda: _bad(**_fp8_caches(), v_descale=torch.ones(2, 2).half())),
+    "fp32 new keys for an e4m3 cache": (TypeError, lambda: _bad(**_fp8_caches(), k=torch.randn(2, 1, 2, 64))),
 }
 
 
@@ -162,3 +187,34 @@ def test_hopper_reads_pages_by_tma_boxes_or_else_row_by_row(page_size: int, kern
     plan = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, page_size=page_size)
     assert plan.config.kernel_name == kernel and plan.config.page_size == page_size
     assert plan.num_splits > 1
+
+
+def test_an_fp8_cache_plans_the_sm90_converting_kernel_only() -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=1,
+                                 seqlen_q=1, capacity=64 * 1024, heads_q=32, heads_kv=8, num_sms=132,
+                                 q_dense=True)
+    plan = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, kv_dtype="e4m3")
+    assert plan.config.kv_dtype == "e4m3" and plan.config.tile_n == 64 and plan.config.pack_gqa == 4
+    assert plan.num_splits > 1
+    paged = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, page_size=16, kv_dtype="e4m3")
+    assert paged.config.page_size == 16 and paged.config.kv_dtype == "e4m3"
+    for arch, page in (("sm_80", 0), ("sm_90a", 8)):
+        with pytest.raises(NotImplementedError, match="e4m3"):
+            dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False, page_size=page, kv_dtype="e4m3")
+
+
+@pytest.mark.parametrize("page_size", [176, 208])
+def test_pages_that_would_leave_tiny_tma_blocks_are_read_row_by_row(page_size: int) -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=2,
+                                 seqlen_q=1, capacity=32 * page_size, heads_q=32, heads_kv=8, num_sms=132,
+                                 q_dense=True)
+    plan = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, page_size=page_size)
+    assert plan.config.kernel_name == "fwd_sm80_kvcache"
+
+
+def test_forced_split_counts_stay_within_the_grid() -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=False, local=False, softcap=False, batch=1024,
+                                 seqlen_q=1, capacity=64 * 1024, heads_q=8, heads_kv=8, num_sms=108,
+                                 q_dense=True)
+    plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, num_splits=128)
+    assert plan.num_splits * 1024 <= 65535

@@ -27,6 +27,7 @@ def _kv(**kw) -> FwdSm90KVCacheConfig:
 
 # Decoding with GQA 32 / 8 split over the SMs (what long-context serving runs most) in the fast tier.
 FAST = _kv(pack_gqa=4, split=True, causal=True)
+FAST_FP8 = _kv(pack_gqa=4, split=True, causal=True, kv_dtype="e4m3")
 VARIANTS = [
     FAST,
     _kv(pack_gqa=4),
@@ -39,12 +40,17 @@ VARIANTS = [
     _kv(pack_gqa=4, page_size=16, causal=True),
     _kv(pack_gqa=4, split=True, page_size=256),
     _kv(hdim=256, hdim_v=256, pack_gqa=2, split=True, page_size=16),
+    # e4m3 caches, turned into 16 bit in shared memory by the producer warpgroup.
+    FAST_FP8,
+    _kv(hdim=64, hdim_v=64, pack_gqa=6, page_size=64, kv_dtype="e4m3"),
+    _kv(dtype="fp16", hdim=256, hdim_v=256, pack_gqa=2, split=True, softcap=True, kv_dtype="e4m3"),
 ]
 
 
 def _id(cfg) -> str:
     flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
     flags += [f"page{cfg.page_size}"] if getattr(cfg, "page_size", 0) else []
+    flags += [f"kv{cfg.kv_dtype}"] if getattr(cfg, "kv_dtype", "") else []
     return f"{cfg.dtype}-d{cfg.hdim}-pack{getattr(cfg, 'pack_gqa', 1)}-" + "-".join(flags or ["plain"])
 
 
@@ -61,7 +67,8 @@ def _no_local_memory(ptx: str, cubin: bytes) -> None:
         assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, (fn, res)
 
 
-@pytest.mark.parametrize("cfg", [pytest.param(c, id=_id(c), marks=() if c == FAST else pytest.mark.slow)
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=_id(c),
+                                              marks=() if c in (FAST, FAST_FP8) else pytest.mark.slow)
                                  for c in VARIANTS])
 def test_kvcache_forward_compiles(cfg: FwdSm90KVCacheConfig) -> None:
     ptx, cubin = jit.compile_artifacts(cfg)
@@ -80,6 +87,12 @@ def test_kvcache_forward_compiles(cfg: FwdSm90KVCacheConfig) -> None:
     if cfg.page_size:
         # Every K and V block is tile_n / page_box boxes, each at its own page.
         assert _count(ptx, tma_loads) >= 2 * (cfg.tile_n // cfg.page_box) + 1
+    if cfg.kv_dtype:
+        # Staged e4m3 bytes in 16-byte loads, converted by the hardware's e4m3 pair conversion,
+        # stored 16 bytes at a time and fenced for wgmma before the consumers are signalled.
+        assert _count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") >= 16
+        assert _count(ptx, r"ld\.shared\.v4") > 0 and _count(ptx, r"st\.shared\.v4") > 0
+        assert _count(ptx, r"fence\.proxy\.async") > 0
     if cfg.batch_idx or cfg.leftpad:
         # cache_batch_idx / cache_leftpad are read per tile, beside cache_seqlens.
         plain, _ = jit.compile_artifacts(replace(cfg, batch_idx=False, leftpad=False))

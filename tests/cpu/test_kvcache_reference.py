@@ -138,6 +138,22 @@ def test_batch_rows_and_left_padding_pick_each_sequences_keys(seed: int) -> None
     assert torch.equal(kc[untouched], k_cache[untouched])
 
 
+def test_left_padding_keeps_rotary_positions_at_cache_slots(seed: int) -> None:
+    """flash-attn rotates a new key written at slot n at position n, left padding or not (the
+    keys before the pad were rotated at their slots too)."""
+    batch, capacity, h, d = 2, 24, 2, 16
+    q, k_cache, v_cache, k, v = _inputs(batch, capacity, 1, 2, h, h, d)
+    angle = torch.rand(capacity + 2, d // 2, dtype=torch.float64) * 6.2832
+    cos, sin = angle.cos(), angle.sin()
+    lens, pad = torch.tensor([9, 15], dtype=torch.int32), torch.tensor([4, 0], dtype=torch.int32)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kvcache_attention_ref(q, kc, vc, k, v, cos, sin, cache_seqlens=lens, cache_leftpad=pad, causal=True)
+    for b in range(batch):
+        n = int(lens[b])
+        want = _rotate_brute(k[b:b + 1], torch.arange(n, n + 2)[None], cos, sin, interleaved=True)[0]
+        torch.testing.assert_close(kc[b, n:n + 2], want)
+
+
 @pytest.mark.parametrize("page_size", [1, 5, 16, 32])
 def test_a_paged_cache_gives_what_the_same_keys_give_contiguous(seed: int, page_size: int) -> None:
     batch, h, hkv, d = 2, 4, 2, 32
@@ -218,3 +234,42 @@ def test_a_row_with_no_key_in_any_split_merges_to_zero_and_minus_inf() -> None:
     out, lse = merge_splits_ref(o_parts, lse_parts)
     assert torch.equal(out[0], torch.full((4, 8), 2.0)) and torch.allclose(lse[0], torch.tensor(0.5))
     assert not out[1].any() and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_fp8_cache_reads_codes_times_each_sequences_descales(seed: int, paged: bool) -> None:
+    batch, capacity, h, hkv, d = 2, 32, 4, 2, 32
+    q, k_cache, v_cache, k, v = _inputs(batch, capacity, 1, 1, h, hkv, d, dtype=torch.float32)
+    kd, vd = torch.rand(batch, hkv) + 0.25, torch.rand(batch, hkv) + 0.25
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    lens = torch.tensor([20, 7], dtype=torch.int32)
+    table = None
+    if paged:  # pages of 8 keys, in reverse order
+        pool_pages = 2 * batch * capacity // 8
+        table = torch.arange(pool_pages - 1, -1, -1, dtype=torch.int32)[:batch * 4].reshape(batch, 4)
+        pool8 = [torch.zeros(pool_pages, 8, hkv, d).to(torch.float8_e4m3fn) for _ in range(2)]
+        for pool, cache in zip(pool8, (k8, v8), strict=True):
+            for b in range(batch):
+                pool[table[b].long()] = cache[b].reshape(4, 8, hkv, d)
+        k8, v8 = pool8
+    got, got_lse = kvcache_attention_ref(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, causal=True,
+                                         k_descale=kd, v_descale=vd)
+    # The same attention over the dequantized keys, the new token quantized the same way.
+    new_k = (k / kd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    new_v = (v / vd[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    keys = k_cache.to(torch.float8_e4m3fn).double() * kd.double()[:, None, :, None]
+    values = v_cache.to(torch.float8_e4m3fn).double() * vd.double()[:, None, :, None]
+    for b in range(batch):
+        n = int(lens[b])
+        keys[b, n] = new_k[b, 0].double() * kd[b].double()[:, None]
+        values[b, n] = new_v[b, 0].double() * vd[b].double()[:, None]
+        o_b, lse_b = _attend_brute(q[b].double(), keys[b, :n + 1], values[b, :n + 1], 1 / math.sqrt(d),
+                                   True, (-1, -1), 0.0)
+        torch.testing.assert_close(got[b].double(), o_b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_lse[b].double(), lse_b, atol=1e-5, rtol=1e-5)
+    if paged:
+        b, n = 1, int(lens[1])
+        written = k8[int(table[b, n // 8]), n % 8]
+    else:
+        written = k8[1, int(lens[1])]
+    assert torch.equal(written.view(torch.uint8), new_k[1, 0].view(torch.uint8))

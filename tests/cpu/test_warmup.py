@@ -108,6 +108,8 @@ KV_SPECS = [
     (AttentionSpec(hdim=128, heads_q=16, heads_kv=16, causal=False, kvcache=True, backward=False), "sm_80"),
     (AttentionSpec(hdim=128, heads_q=32, heads_kv=8, kvcache=True, page_size=1, backward=False), "sm_90a"),
     (AttentionSpec(hdim=128, heads_q=32, heads_kv=8, kvcache=True, page_size=64, backward=False), "sm_80"),
+    (AttentionSpec(hdim=128, heads_q=32, heads_kv=8, kvcache=True, fp8=True, page_size=16, backward=False),
+     "sm_90a"),
 ]
 
 
@@ -127,7 +129,8 @@ def test_the_kvcache_sweep_covers_the_launchers_plans_of_any_shape(spec: Attenti
         p = dispatch.kvcache_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local,
                                      softcap=spec.softcap, batch=batch, seqlen_q=nq, capacity=capacity,
                                      heads_q=spec.heads_q, heads_kv=spec.heads_kv, num_sms=132, q_dense=True)
-        plan = dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False, page_size=spec.page_size)
+        plan = dispatch.kvcache_plan(arch, p, batch_idx=False, leftpad=False, page_size=spec.page_size,
+                                     kv_dtype="e4m3" if spec.fp8 else "")
         for cfg in (plan.config, plan.combine):
             if cfg is not None:
                 where = f"Nq={nq} B={batch} cache={capacity}"

@@ -42,6 +42,7 @@ class Case:
     leftpad: bool = False
     num_splits: int = 0
     dtype: torch.dtype = torch.bfloat16
+    fp8: bool = False  # an e4m3 cache with (B, H_kv) descales
 
 
 CASES = [
@@ -62,6 +63,13 @@ CASES = [
          rotary="gptj", batch_idx=True, causal=False),
     Case(lens=(3000, 10), capacity=4096, h=4, hkv=2, d=256, leftpad=True, rotary="neox"),
     Case(lens=(1234, 2), capacity=2048, h=16, hkv=16, d=64, causal=False, dtype=torch.float16),
+    # e4m3 caches: converted in shared memory; split, paged, rotary, softcap, fp16 queries.
+    Case(lens=(0, 1, 777, 2047), capacity=2048, rotary="gptj", fp8=True),
+    Case(lens=(30000,), capacity=32768, fp8=True),
+    Case(lens=(100, 3000, 0), capacity=4096, page_size=64, rotary="neox", fp8=True),
+    Case(lens=(700, 1500), capacity=2048, new=2, nq=2, h=12, hkv=2, d=64, window=(256, 0), softcap=20.0,
+         batch_idx=True, causal=False, fp8=True),
+    Case(lens=(3000, 10), capacity=4096, h=4, hkv=2, d=256, leftpad=True, dtype=torch.float16, fp8=True),
 ]
 
 
@@ -73,6 +81,7 @@ def _id(c: Case) -> str:
     parts += [c.rotary] if c.rotary else []
     parts += [f"page{c.page_size}"] if c.page_size else []
     parts += [f"split{c.num_splits}"] if c.num_splits else []
+    parts += ["e4m3"] if c.fp8 else []
     return "-".join(parts)
 
 
@@ -102,6 +111,13 @@ def _setup(c: Case) -> dict:
             k_pages[page_table[i].long()] = kc[i].reshape(per_seq, c.page_size, c.hkv, c.d)
             v_pages[page_table[i].long()] = vc[i].reshape(per_seq, c.page_size, c.hkv, c.d)
         kc, vc = k_pages, v_pages
+    descales = dict(k_descale=None, v_descale=None)
+    if c.fp8:
+        # Codes of values / descale (NaN slots stay NaN).
+        descales = {name: torch.rand(b, c.hkv, device=dev) + 0.5 for name in ("k_descale", "v_descale")}
+        owners = batch_idx if c.batch_idx else torch.arange(b, device=dev)
+        kc = (kc.float() / _per_slot(descales["k_descale"], kc, page_table, owners)).to(torch.float8_e4m3fn)
+        vc = (vc.float() / _per_slot(descales["v_descale"], vc, page_table, owners)).to(torch.float8_e4m3fn)
     cos = sin = None
     if c.rotary:
         angle = torch.rand(c.capacity + c.nq, c.d // 4, device=dev) * 6.2832  # rotary_dim = d / 2
@@ -111,7 +127,20 @@ def _setup(c: Case) -> dict:
                 k=torch.randn(b, new, c.hkv, c.d, dtype=dt, device=dev) if new else None,
                 v=torch.randn(b, new, c.hkv, c.d, dtype=dt, device=dev) if new else None,
                 rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, cache_batch_idx=batch_idx,
-                cache_leftpad=pad, page_table=page_table)
+                cache_leftpad=pad, page_table=page_table, **descales)
+
+
+def _per_slot(descale: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor | None,
+              rows: torch.Tensor) -> torch.Tensor:
+    """Sequence b's (H_kv,) descales broadcast over the cache slots it owns: its pages, or its cache
+    row ``rows[b]`` (1 elsewhere)."""
+    scale = torch.ones(cache.shape[:3], device=cache.device)
+    for b in range(descale.shape[0]):
+        if page_table is not None:
+            scale[page_table[b].long()] = descale[b]
+        else:
+            scale[int(rows[b])] = descale[b]
+    return scale[..., None]
 
 
 def _reference(c: Case, a: dict) -> tuple[tuple, tuple, dict]:
@@ -121,11 +150,12 @@ def _reference(c: Case, a: dict) -> tuple[tuple, tuple, dict]:
     per_token = kv_append.rotary_per_token(c.causal, c.window, c.capacity)
     index = (a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["page_table"])
     q = kv_append.append_and_rotate(a["q"], kc, vc, a["k"], a["v"], a["rotary_cos"], a["rotary_sin"], *index,
-                                    per_token, c.rotary != "neox")
+                                    per_token, c.rotary != "neox", a["k_descale"], a["v_descale"])
     rest = dict(cache_seqlens=a["cache_seqlens"] + c.new, cache_batch_idx=a["cache_batch_idx"],
                 cache_leftpad=a["cache_leftpad"], page_table=a["page_table"], causal=c.causal,
-                window_size=c.window, softcap=c.softcap)
-    ref = kvcache_attention_ref(q.double(), kc.double(), vc.double(), **rest)
+                window_size=c.window, softcap=c.softcap, k_descale=a["k_descale"], v_descale=a["v_descale"])
+    # (e4m3 caches go in as they are: the reference dequantizes them.)
+    ref = kvcache_attention_ref(q.double(), *((kc, vc) if c.fp8 else (kc.double(), vc.double())), **rest)
     same = kvcache_attention_ref(q, kc, vc, upcast=False, **rest)
     return ref, same, dict(k_cache=kc, v_cache=vc)
 
@@ -151,12 +181,16 @@ def test_kvcache_matches_the_fp64_reference(case: Case, seed: int) -> None:
     out, lse = _call(case, a)
     # The append wrote exactly what the reference's append wrote (NaN slots compare equal as NaN).
     for name in ("k_cache", "v_cache"):
-        assert torch.equal(a[name].nan_to_num(7.0), appended[name].nan_to_num(7.0)), name
+        got_cache, want_cache = a[name], appended[name]
+        if case.fp8:  # (compared as bytes: NaN codes included)
+            got_cache, want_cache = got_cache.view(torch.uint8), want_cache.view(torch.uint8)
+        assert torch.equal(got_cache.float().nan_to_num(7.0), want_cache.float().nan_to_num(7.0)), name
     assert_rule("out", out, ref[0], same[0].to(case.dtype), FLOOR_FWD, seed, _id(case))
     assert_lse_rule(lse, ref[1].float(), same[1], seed, _id(case))
 
 
-SM80_CASES = [c for c in CASES if not c.page_size][:6] + [c for c in CASES if c.page_size == 64]
+SM80_CASES = [c for c in CASES if not c.page_size][:6]
+SM80_CASES += [c for c in CASES if c.page_size == 64 and not c.fp8]
 
 
 @pytest.mark.parametrize("case", SM80_CASES, ids=_id)
