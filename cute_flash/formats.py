@@ -11,6 +11,8 @@ import torch
 
 # The kernels' 16-bit input types by name (configs and compile keys carry the name).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Tables a kernel reads in any float dtype (rotary cos / sin).
+FLOAT_NAMES = {**DTYPE_NAMES, torch.float32: "fp32"}
 FP8 = torch.float8_e4m3fn
 # FP8 head dims: powers of two (the Walsh-Hadamard rotation), d / 32 lanes per row.
 FP8_HDIMS = (64, 128, 256)

@@ -24,6 +24,8 @@ disk_cache.load_runtime()
 ARCHS = ("sm_80", "sm_90a")
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+# Tables a kernel reads in any float dtype (rotary cos / sin).
+FLOAT_DTYPES = {**DTYPES, "fp32": cutlass.Float32}
 
 
 def arch_from_capability(major: int, minor: int) -> str:

@@ -6,12 +6,16 @@ reference (``reference_kvcache``) share them.
 
 Positions: a batch's cached keys are ``[leftpad, cache_seqlens)`` of its cache row (or of the
 pages ``page_table[b]`` lists, ``page_size`` keys each); new token ``i`` goes to slot
-``cache_seqlens + i`` and has rotary position ``cache_seqlens - leftpad + i``.
+``cache_seqlens + i`` and has rotary position ``cache_seqlens + i`` (the slot, left padding
+included, as in flash-attn). On a GPU the launcher runs the same append as one kernel
+(``ampere/append_kv.py``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from cute_flash import formats
 
 Tensor = torch.Tensor
 
@@ -46,9 +50,6 @@ def cache_slots(cache_seqlens: Tensor, count: int) -> Tensor:
     return rotary_positions(cache_seqlens, count, per_token=True)
 
 
-E4M3_MAX = 448.0
-
-
 def is_fp8(t: Tensor) -> bool:
     return t.dtype == torch.float8_e4m3fn
 
@@ -62,7 +63,7 @@ def quantize_new(new: Tensor, cache: Tensor, descale: Tensor | None) -> Tensor:
     x = new.float()
     if descale is not None:
         x = x / descale.float()[:, None, :, None]
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(cache.dtype)
+    return x.clamp(-formats.E4M3_MAX, formats.E4M3_MAX).to(cache.dtype)
 
 
 def write_new(cache: Tensor, new: Tensor, slots: Tensor, rows: Tensor | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from cute_flash import dispatch, formats, jit, kv_append, launch
+from cute_flash.ampere.kvcache_config import AppendKVConfig
 from cute_flash.memo import HostMemo
 
 Tensor = torch.Tensor
@@ -42,6 +43,35 @@ def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bo
     return hit
 
 
+def append_config(dtype: torch.dtype, cache_dtype: torch.dtype, rotary_dtype: torch.dtype | None,
+                  interleaved: bool, per_token: bool, *, paged: bool, batch_idx: bool) -> AppendKVConfig:
+    """The append kernel of a call: new tokens and q of ``dtype`` into a cache of ``cache_dtype``,
+    rotary tables of ``rotary_dtype`` (None: no rotary)."""
+    if rotary_dtype is None:  # (the rotary fields are then unused: one compile key)
+        interleaved = per_token = True
+    return AppendKVConfig(target=None, dtype=formats.dtype_name(dtype),
+                          kv_dtype="e4m3" if cache_dtype == torch.float8_e4m3fn else "",
+                          rotary="" if rotary_dtype is None else formats.FLOAT_NAMES[rotary_dtype],
+                          interleaved=interleaved, per_token_q=per_token, paged=paged,
+                          batch_idx=batch_idx and not paged)
+
+
+def _append(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, cos: Tensor | None,
+            sin: Tensor | None, cache_seqlens: Tensor, cache_batch_idx: Tensor | None,
+            page_table: Tensor | None, per_token: bool, interleaved: bool, descales: tuple) -> Tensor:
+    """``kv_append.append_and_rotate`` as one kernel (``ampere/append_kv.py``); returns q (rotated
+    into a new tensor with rotary)."""
+    cfg = append_config(q.dtype, k_cache.dtype, None if cos is None else cos.dtype, interleaved, per_token,
+                        paged=page_table is not None, batch_idx=cache_batch_idx is not None)
+    q_out = None
+    if cos is not None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        cos, sin = cos.contiguous(), sin.contiguous()
+    jit.compile_kernel(cfg)(q, q_out, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, cos,
+                            sin, *descales)
+    return q if q_out is None else q_out
+
+
 def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
                     rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Tensor | None,
                     cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None, page_table: Tensor | None,
@@ -62,14 +92,18 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     # Planned (and compiled) before the append: a call that cannot run leaves the caches untouched.
     plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal_k, local, softcap,
                             cache_batch_idx is not None, cache_leftpad is not None, page_size, num_splits)
-    q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                    cache_batch_idx, cache_leftpad, page_table, per_token, rotary_interleaved,
-                                    k_descale, v_descale)
-    seqused = cache_seqlens + new if new else cache_seqlens
     descales = (None, None)
     if kv_append.is_fp8(k_cache):
         ones = torch.ones((batch, k_cache.shape[2]), dtype=torch.float32, device=q.device)
         descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+    if k is not None and k.dtype == q.dtype:
+        q = _append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    page_table, per_token, rotary_interleaved, descales)
+    else:  # (nothing to append, or e4m3 tokens for an e4m3 cache: written as they are)
+        q = kv_append.append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, page_table, per_token,
+                                        rotary_interleaved, k_descale, v_descale)
+    seqused = cache_seqlens + new if new else cache_seqlens
     index = (seqused, cache_batch_idx, cache_leftpad, page_table, *descales)
     scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 0.0, left, right, plan.num_splits)
     if merge is None:

@@ -111,6 +111,57 @@ class FwdCombineConfig(jit.KernelConfig):
 
 
 @dataclass(frozen=True)
+class AppendKVConfig(jit.KernelConfig):
+    """The KV-cache append (``ampere/append_kv.py``): new k / v of ``dtype`` into a cache of
+    ``kv_dtype`` ("" = ``dtype``, or "e4m3" with descales), rotary with a ``rotary`` ("fp32",
+    "bf16", "fp16"; "" = none) table, pairs ``interleaved`` or halves, q rotated per token
+    (``per_token_q``) or all at the first new position; a ``paged`` cache, or cache rows picked by
+    ``batch_idx``. Head counts and dims are run-time extents."""
+
+    dtype: str = "bf16"
+    kv_dtype: str = ""
+    rotary: str = ""
+    interleaved: bool = True
+    per_token_q: bool = True
+    paged: bool = False
+    batch_idx: bool = False
+
+    kernel_name = "append_kv"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in ("", "e4m3") or self.rotary not in ("", "fp32", "bf16", "fp16"):
+            raise ValueError(f"append: kv_dtype '' or 'e4m3', rotary '', fp32, bf16 or fp16; got "
+                             f"{self.kv_dtype!r}, {self.rotary!r}")
+        if self.paged and self.batch_idx:
+            raise ValueError("append: a paged cache has no cache rows to pick")
+
+    def build(self):
+        from cute_flash.ampere.append_kv import AppendKV
+
+        return AppendKV(self)
+
+    def fake_args(self) -> tuple:
+        """(q, q_out, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, cos, sin,
+        k_descale, v_descale, stream); q_out / cos / sin None without rotary."""
+        dt, f32, i32 = jit.DTYPES[self.dtype], cutlass.Float32, cutlass.Int32
+        kvt = cutlass.Float8E4M3FN if self.kv_dtype == "e4m3" else dt
+        b, nq, nn, h, hkv, d, dv, bc, nk, pages, ro, r2 = (jit.sym() for _ in range(12))
+        q = jit.fake_tensor(dt, (b, nq, h, d))
+        q_out = jit.fake_tensor(dt, (b, nq, h, d)) if self.rotary else None
+        k, v = jit.fake_tensor(dt, (b, nn, hkv, d)), jit.fake_tensor(dt, (b, nn, hkv, dv))
+        k_cache, v_cache = jit.fake_tensor(kvt, (bc, nk, hkv, d)), jit.fake_tensor(kvt, (bc, nk, hkv, dv))
+        seqlens = jit.fake_tensor(i32, (b,), leading_dim=0)
+        batch_idx = jit.fake_tensor(i32, (b,), leading_dim=0) if self.batch_idx else None
+        table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if self.paged else None
+        rt = jit.FLOAT_DTYPES.get(self.rotary)
+        rot = [jit.fake_tensor(rt, (ro, r2)) if self.rotary else None for _ in range(2)]
+        descales = [jit.fake_tensor(f32, (b, hkv), leading_dim=1) if self.kv_dtype else None
+                    for _ in range(2)]
+        return (q, q_out, k, v, k_cache, v_cache, seqlens, batch_idx, table, *rot, *descales,
+                jit.fake_stream())
+
+
+@dataclass(frozen=True)
 class KVCachePlan:
     config: jit.KernelConfig
     num_splits: int

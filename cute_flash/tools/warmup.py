@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cute_flash import disk_cache, dispatch, jit, launch
+from cute_flash.ampere.kvcache_config import AppendKVConfig
 
 # The plans' thresholds fall anywhere, so the sweep is dense (planning is host arithmetic, ~0.1 s a
 # spec): query = key lengths of training and prefill in steps of ~8% from 1 to 128k, (query, key)
@@ -155,7 +156,21 @@ def _plan_kvcache(spec: AttentionSpec, arch: str, num_sms: int, causal: bool,
                 out[plan.config] = None
                 if plan.combine is not None:
                     out[plan.combine] = None
+    out.update(dict.fromkeys(_appends(spec)))
     return list(dict.fromkeys(replace(c, target=arch) for c in out))
+
+
+def _appends(spec: AttentionSpec) -> list[jit.KernelConfig]:
+    """The append kernels of the spec's calls with new tokens: no rotary, or a table in the model's
+    dtype or fp32, pairs interleaved or halves, q rotated per token or not."""
+    base = dict(target=None, dtype=spec.dtype, kv_dtype="e4m3" if spec.fp8 else "", paged=spec.page_size > 0)
+    out = [AppendKVConfig(**base)]
+    for rotary in (spec.dtype, "fp32"):
+        for interleaved in (True, False):
+            for per_token in (True, False):
+                out.append(AppendKVConfig(**base, rotary=rotary, interleaved=interleaved,
+                                                       per_token_q=per_token))
+    return out
 
 
 def _compile_one(cfg: jit.KernelConfig) -> tuple[str, float, bool]:

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from cute_flash import jit
-from cute_flash.ampere.kvcache_config import FwdCombineConfig, FwdKVCacheConfig
+from cute_flash.ampere.kvcache_config import AppendKVConfig, FwdCombineConfig, FwdKVCacheConfig
 from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT
 from cute_flash.hopper.kvcache_config import FwdSm90KVCacheConfig
 from cute_flash.tools import inspect as ins
@@ -159,3 +159,29 @@ def test_kvcache_configs_are_dense_one_cta_per_tile() -> None:
         _kv(num_ctas=132)
     with pytest.raises(ValueError):
         FwdCombineConfig(target="sm_90a", hdim_v=80)
+
+
+APPENDS = [
+    AppendKVConfig(target="sm_90a", rotary="fp32"),
+    AppendKVConfig(target="sm_80", dtype="fp16", rotary="fp16", interleaved=False, per_token_q=False,
+                   batch_idx=True),
+    AppendKVConfig(target="sm_90a", rotary="bf16", paged=True, kv_dtype="e4m3"),
+    AppendKVConfig(target="sm_80"),
+]
+
+
+@pytest.mark.parametrize("cfg", APPENDS, ids=lambda c: f"{c.target}-{c.dtype}-rot{c.rotary or 'none'}-"
+                         f"{'paged' if c.paged else 'rows'}-{c.kv_dtype or c.dtype}")
+def test_the_append_compiles_to_one_small_kernel(cfg: AppendKVConfig) -> None:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    assert _count(ptx, r"^\.(?:visible|weak) \.entry") == 1
+    assert _count(ptx, r"wgmma|cp\.async") == 0  # sm80 instructions only: every family runs it
+    stores = _count(ptx, r"st\.global")
+    # The cache's K and V rows, and q's rotated rows with rotary.
+    assert stores >= (3 if cfg.rotary else 2)
+    if cfg.rotary:
+        assert _count(ptx, r"\b(?:fma|mul)\.[a-z.]*f32") > 0
+    if cfg.kv_dtype:
+        # Divided by the descale (IEEE, as torch's reference), rounded with saturation to e4m3.
+        assert _count(ptx, r"div\.rn\.f32") > 0 and _count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") > 0
+    _no_local_memory(ptx, cubin)

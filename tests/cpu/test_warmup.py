@@ -11,8 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from cute_flash import dispatch, jit, launch
+from cute_flash import dispatch, jit, launch, launch_kvcache
 from cute_flash.tools import warmup
 from cute_flash.tools.warmup import AttentionSpec
 
@@ -135,6 +136,19 @@ def test_the_kvcache_sweep_covers_the_launchers_plans_of_any_shape(spec: Attenti
             if cfg is not None:
                 where = f"Nq={nq} B={batch} cache={capacity}"
                 assert replace(cfg, target=arch) in planned, f"{where}: {cfg.describe()}"
+
+
+@pytest.mark.parametrize("spec,arch", KV_SPECS, ids=_kv_id)
+def test_the_kvcache_sweep_covers_the_append_kernels_of_rotary_calls(spec: AttentionSpec, arch: str) -> None:
+    planned = set(warmup.plan_configs(spec, arch, 132))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    cache = torch.float8_e4m3fn if spec.fp8 else dtype
+    for table in (None, dtype, torch.float32):
+        for interleaved in (True, False):
+            for per_token in (True, False):
+                cfg = launch_kvcache.append_config(dtype, cache, table, interleaved, per_token,
+                                                   paged=spec.page_size > 0, batch_idx=False)
+                assert replace(cfg, target=arch) in planned, cfg.describe()
 
 
 def test_kvcache_warmup_refuses_what_the_path_cannot_run() -> None:
