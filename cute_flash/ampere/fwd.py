@@ -32,6 +32,8 @@ class FlashFwdSm80:
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.prefetch = True
+        # Packed GQA (the KV-cache kernel): tile row r is token r // pack of query head r % pack.
+        self.pack = 1
 
     # ------------------------------------------------------------------------------------------
     # Host side: layouts, copies, MMAs, launch
@@ -128,9 +130,9 @@ class FlashFwdSm80:
         tSsQ, tSsK, tOsVt = s2r_Q.partition_S(sQ), s2r_K.partition_S(sK), s2r_V.partition_S(sVt)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
-                               window_left, window_right)
+                               window_left, window_right, pack=self.pack)
         n_block_min, n_block_max = self.block_range(block_info, seqlen, m_block)
-        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right)
+        mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right, pack=self.pack)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_O, mode=[0, 0]) * cute.size(acc_O, mode=[1]))
         softmax.reset()
 
@@ -142,7 +144,7 @@ class FlashFwdSm80:
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
         warp_mma.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
-                           seqlen.seqlen_q - m_block * self.tile_m, tidx)
+                           seqlen.seqlen_q * self.pack - m_block * self.tile_m, tidx)
         if n_block_max > n_block_min:
             self.load_K(ctx, n_block_max - 1, 0, partial=True)
         cute.arch.cp_async_commit_group()
@@ -252,7 +254,7 @@ class FlashFwdSm80:
     @cute.jit
     def epilogue(self, ctx, mO, mLSE, sQ, tidx, head, batch):
         seqlen = ctx.seqlen
-        rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
+        rows_left = seqlen.seqlen_q * self.pack - ctx.m_block * self.tile_m
         # LSE: the lane holding column 0 of a row writes it.
         gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, batch), (self.tile_m,), (ctx.m_block,))
         ctx.softmax.store_lse(ctx.thr_mma, gLSE, self.tile_m, self.hdim_v, rows_left)

@@ -4,6 +4,7 @@ CTAs (split-KV), as in ``hopper/fwd_kvcache.py``: every split writes its fp32 O 
 its own row sums) and LSE, and ``ampere/combine.py`` merges them. The grid is (query tiles,
 heads, batches x splits); the split count comes from the host, each split's share of blocks from
 the lengths on the device, so a captured CUDA graph stays valid while ``cache_seqlens`` changes.
+With packed GQA (``pack_gqa``) a tile holds a KV head's whole query group, as on Hopper.
 
 A paged cache (num_pages, page_size, H_kv, d) is read in place with cp.async, each thread looking
 up the page of every row it copies (``device/paged_rows.py``): any page size works, one key per
@@ -22,6 +23,7 @@ from cutlass import Float32, Int32
 
 from cute_flash.ampere.fwd import FlashFwdSm80
 from cute_flash.device import warp_mma
+from cute_flash.device.layout import pack_heads
 from cute_flash.device.paged_rows import load_paged_block
 from cute_flash.device.seqlen import CacheSeqlenInfo
 from cute_flash.device.softmax import score_scales
@@ -35,6 +37,7 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
         super().__init__(cfg)
         self.split = cfg.split
         self.page_size = cfg.page_size
+        self.pack = cfg.pack_gqa
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -48,7 +51,14 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
-        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3] * num_splits)
+        rows = mQ.shape[0]
+        if cutlass.const_expr(self.pack > 1):
+            # Packed GQA: a KV head's query group shares the M tile, so a decoding tile holds
+            # pack useful rows instead of one and reads each K / V block once for the group.
+            mQ, mO = pack_heads(mQ, self.pack, head_mode=2), pack_heads(mO, self.pack, head_mode=2)
+            mLSE = pack_heads(mLSE, self.pack, head_mode=1)
+            rows = rows * self.pack
+        grid = (cute.ceil_div(rows, self.tile_m), mQ.shape[2], mQ.shape[3] * num_splits)
         self.kv_kernel(mQ, mK, mV, mO, mLSE, mSeqUsedK, mCacheBatchIdx, mLeftPad, mPageTable, score_scale,
                        scale_log2, window_left, window_right, num_splits, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -65,7 +75,8 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
         if cutlass.const_expr(self.split):
             batch = batch_split // num_splits
             split = batch_split - batch * num_splits
-        seqlen = CacheSeqlenInfo(batch, mQ.shape[0], mSeqUsedK, mCacheBatchIdx, mLeftPad)
+        seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
+        seqlen = CacheSeqlenInfo(batch, seqlen_q, mSeqUsedK, mCacheBatchIdx, mLeftPad)
         seqlen.out_batch, seqlen.split, seqlen.num_splits = batch_split, split, num_splits
         if cutlass.const_expr(self.page_size):
             # One KV head of the page pools, (page_size, d, num_pages), and this sequence's pages.
@@ -108,7 +119,7 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
         else:
             # fp32 partials straight from the accumulator (a few rows per tile when decoding).
             seqlen = ctx.seqlen
-            rows_left = seqlen.seqlen_q - ctx.m_block * self.tile_m
+            rows_left = seqlen.seqlen_q * self.pack - ctx.m_block * self.tile_m
             out = seqlen.out_batch
             gLSE = cute.local_tile(seqlen.q_vec(mLSE, head, out), (self.tile_m,), (ctx.m_block,))
             ctx.softmax.store_lse(ctx.thr_mma, gLSE, self.tile_m, self.hdim_v, rows_left)

@@ -24,12 +24,15 @@ class FwdKVCacheConfig(FwdConfig):
     """The sm80 forward over a KV cache: per-batch key ranges ``[leftpad, seqused)`` of cache row
     ``cache_batch_idx[b]`` (``batch_idx`` / ``leftpad``: the kernel reads those tensors), and
     ``split``: fp32 partials of an equal share of the key blocks, merged by the combine kernel;
-    ``page_size`` > 0: a paged cache, any page size (cp.async row by row; 0: contiguous)."""
+    ``page_size`` > 0: a paged cache, any page size (cp.async row by row; 0: contiguous);
+    ``pack_gqa`` > 1: the query heads of one KV head share the M tile (it must equal H / H_kv and
+    divide tile_m)."""
 
     split: bool = False
     batch_idx: bool = False
     leftpad: bool = False
     page_size: int = 0
+    pack_gqa: int = 1
 
     kernel_name = "fwd_sm80_kvcache"
 
@@ -40,6 +43,8 @@ class FwdKVCacheConfig(FwdConfig):
         if self.page_size < 0 or (self.page_size and (self.batch_idx or self.leftpad)):
             raise ValueError("paged KV: a page size >= 1, and the page table already maps sequences to "
                              "their keys (no batch_idx / leftpad)")
+        if self.pack_gqa < 1 or self.tiles[0] % self.pack_gqa != 0:
+            raise ValueError(f"pack_gqa {self.pack_gqa} must divide tile_m {self.tiles[0]}")
         if self.page_size and max(self.hdim, self.hdim_v) > 64:
             # Each copied row's page lookup and address take registers the widest tiles do not have.
             tile_m, tile_n, threads, stages = self.tiles
@@ -187,8 +192,10 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
     base = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
                             local=p.local, softcap=p.softcap, page_size=page_size)
     tile_m, tile_n = base.tiles[:2]
-    tiles = p.batch * p.heads_q * -(-p.max_seqlen_q // tile_m)
+    pack = p.heads_q // p.heads_kv
+    pack = pack if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense else 1
+    tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
     splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
-    cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad)
+    cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad, pack_gqa=pack)
     combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
     return KVCachePlan(cfg, splits, combine)

@@ -171,6 +171,11 @@ def test_other_gpus_plan_the_sm80_kernel_paged_caches_included() -> None:
                                  q_dense=True)
     plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)
     assert plan.config.kernel_name == "fwd_sm80_kvcache" and plan.config.split and plan.num_splits == 108 // 8
+    gqa = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=2,
+                                   seqlen_q=1, capacity=64 * 1024, heads_q=32, heads_kv=8, num_sms=108,
+                                   q_dense=True)
+    packed = dispatch.kvcache_plan("sm_80", gqa, batch_idx=False, leftpad=False)
+    assert packed.config.pack_gqa == 4 and packed.num_splits == 108 // (2 * 8)
     paged = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=64)
     assert paged.config.kernel_name == "fwd_sm80_kvcache" and paged.config.page_size == 64
     hopper = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False)

@@ -51,7 +51,7 @@ def _id(cfg) -> str:
     flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
     flags += [f"page{cfg.page_size}"] if getattr(cfg, "page_size", 0) else []
     flags += [f"kv{cfg.kv_dtype}"] if getattr(cfg, "kv_dtype", "") else []
-    return f"{cfg.dtype}-d{cfg.hdim}-pack{getattr(cfg, 'pack_gqa', 1)}-" + "-".join(flags or ["plain"])
+    return f"{cfg.dtype}-d{cfg.hdim}-pack{cfg.pack_gqa}-" + "-".join(flags or ["plain"])
 
 
 def _count(ptx: str, pattern: str) -> int:
@@ -119,8 +119,11 @@ SM80 = [
     _sm80(),
     _sm80("fp16", 64, split=True, batch_idx=True, leftpad=True),
     _sm80(d=256, split=True, local=True, softcap=True),
+    # Packed GQA (a KV head's query group in one tile).
+    _sm80(split=True, causal=True, pack_gqa=4),
+    _sm80("fp16", 64, pack_gqa=8, local=True, softcap=True),
     # Paged caches read row by row: one key per page, and pages a block neither holds nor splits.
-    _sm80(split=True, causal=True, page_size=1),
+    _sm80(split=True, causal=True, page_size=1, pack_gqa=8),
     _sm80("fp16", 64, page_size=48),
 ]
 
