@@ -95,7 +95,8 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     descales = (None, None)
     if kv_append.is_fp8(k_cache):
         ones = torch.ones((batch, k_cache.shape[2]), dtype=torch.float32, device=q.device)
-        descales = (ones if k_descale is None else k_descale, ones if v_descale is None else v_descale)
+        # (Any strides, broadcast ones included: the kernels read a dense (B, H_kv) copy.)
+        descales = tuple(ones if x is None else x.contiguous() for x in (k_descale, v_descale))
     if k is not None and k.dtype == q.dtype:
         q = _append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, per_token, rotary_interleaved, descales)

@@ -114,9 +114,9 @@ def _check_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
         validate._require_tensor(name, t)
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {validate._fmt_dtype(t.dtype)}")
-        if tuple(t.shape) != (q.shape[0], k_cache.shape[2]) or (t.numel() > 1 and not t.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous (B, H_kv) = ({q.shape[0]}, {k_cache.shape[2]}), got "
-                             f"shape {tuple(t.shape)}")
+        if tuple(t.shape) != (q.shape[0], k_cache.shape[2]):
+            raise ValueError(f"{name} must be (B, H_kv) = ({q.shape[0]}, {k_cache.shape[2]}), got shape "
+                             f"{tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device} with q, got {t.device}")
 

@@ -17,7 +17,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash import jit
-from cute_flash.formats import E4M3_MAX
 
 THREADS = 128
 
@@ -84,7 +83,9 @@ class AppendKV:
         if cutlass.const_expr(scale is None or not self.fp8):
             dst[h, c] = x.to(dst.element_type)
         else:
-            y = cutlass.max(cutlass.min(x / scale[h], Float32(E4M3_MAX)), Float32(-E4M3_MAX))
+            # Rounded to the tokens' dtype first (the rotary's output, as the reference), then
+            # divided and rounded to e4m3 with saturation at +-448 (NaN stays NaN).
+            y = x.to(self.dtype).to(Float32) / scale[h]
             dst[h, c] = y.to(dst.element_type)
 
     @cute.jit

@@ -34,6 +34,8 @@ CHUNK = 16
 class FlashFwdSm90KVCacheFp8(FlashFwdSm90KVCache):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
+        # The converters walk tiles as the consumers do, but join no next-tile barrier: one CTA per tile.
+        assert not self.persistent, "the e4m3 KV-cache kernel runs one CTA per tile"
         self.kv_dtype = cutlass.Float8E4M3FN
         self.tx_K = self.tile_n * self.hdim
         self.tx_V = self.tile_n * self.hdim_v

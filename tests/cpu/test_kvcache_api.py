@@ -223,3 +223,15 @@ def test_forced_split_counts_stay_within_the_grid() -> None:
                                  q_dense=True)
     plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, num_splits=128)
     assert plan.num_splits * 1024 <= 65535
+
+
+def test_broadcast_descales_are_taken_like_dense_ones(seed: int) -> None:
+    a = _call_args()
+    kc, vc = a["k_cache"].to(torch.float8_e4m3fn), a["v_cache"].to(torch.float8_e4m3fn)
+    kd = (torch.rand(1, 2) + 0.5).expand(2, 2)
+    common = dict(cache_seqlens=a["cache_seqlens"], causal=True)
+    got = flash_attn_with_kvcache(a["q"], kc.clone(), vc.clone(), a["k"], a["v"], k_descale=kd, v_descale=kd,
+                                  **common)
+    want = flash_attn_with_kvcache(a["q"], kc.clone(), vc.clone(), a["k"], a["v"], k_descale=kd.contiguous(),
+                                   v_descale=kd.contiguous(), **common)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
