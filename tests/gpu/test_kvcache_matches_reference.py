@@ -257,3 +257,27 @@ def test_a_captured_graph_replays_over_changing_cache_seqlens(seed: int) -> None
         torch.cuda.synchronize()
         assert_rule("out", out, ref[0], same[0].to(case.dtype), FLOOR_FWD, seed, new_lens)
         assert_lse_rule(lse, ref[1].float(), same[1], seed, new_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_e4m3_code_reaches_o_exactly(dtype: torch.dtype) -> None:
+    """V rows holding all 254 finite e4m3 codes, subnormals included; key j of sequence j scores
+    far above the others, so O is that V row: its codes converted exactly (descale 1)."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)].to(torch.uint8)  # (NaN codes excluded)
+    d, n, b = 128, 64, 2
+    v_rows = torch.zeros(b, d, dtype=torch.uint8)
+    v_rows.view(-1)[:codes.numel()] = codes
+    vc = torch.zeros(b, n, 1, d, dtype=torch.uint8)
+    vc[:, :b, 0] = v_rows  # (rows b.. stay code 0 = 0.0)
+    kc = torch.zeros(b, n, 1, d, dtype=torch.float32)
+    for j in range(b):
+        kc[j, j, 0, 0] = 448.0  # sequence j's key j: score 448 * 16 / sqrt(d), the rest 0
+    q = torch.zeros(b, 1, 1, d, dtype=dtype)
+    q[..., 0] = 16.0
+    k8, v8 = kc.to(torch.float8_e4m3fn).cuda(), vc.view(torch.float8_e4m3fn).cuda()
+    out = flash_attn_with_kvcache(q.cuda(), k8, v8, cache_seqlens=torch.full((b,), n, dtype=torch.int32,
+                                                                              device="cuda"))
+    want = v_rows.view(torch.float8_e4m3fn).float()
+    for j in range(b):
+        torch.testing.assert_close(out[j, 0, 0].float().cpu(), want[j], atol=0, rtol=0)
