@@ -2,9 +2,9 @@
 keys rotated and, with the values, written into the cache at ``cache_seqlens`` (of cache row
 ``cache_batch_idx[b]``, or of the pages ``page_table[b]`` lists), quantized with the descales for an
 e4m3 cache; the queries rotated into a new tensor. Decoding appends one token of a few heads per
-sequence, so the work is small and latency is what counts: one CTA per (token, batch), its threads
-striding over (head, channel pair). Positions are read on the device, so the launch captures into
-a CUDA graph. ``kv_append`` spells out the same math in torch ops (the reference).
+sequence, so the work is small and latency is what counts: one CTA per (token, batch, two heads),
+one thread per channel pair (d <= 128: one step). Positions are read on the device, so the launch
+captures into a CUDA graph. ``kv_append`` spells out the same math in torch ops (the reference).
 
 Rotary: pair j < r / 2 is (2j, 2j + 1) (interleaved, GPT-J) or (j, j + r / 2) (halves, GPT-NeoX),
 rotated in fp32 by the table's row at the token's position; the channels past r are copied.
@@ -19,6 +19,7 @@ from cutlass import Float32, Int32
 from cute_flash import jit
 
 THREADS = 128
+HEADS = 2  # per CTA
 
 
 class AppendKV:
@@ -38,12 +39,12 @@ class AppendKV:
         """q (B, Nq, H, d) -> ``mQOut`` (rotary only); k / v (B, N_new, H_kv, d / dv) into the caches
         (B_cache, N, H_kv, d) or pages (num_pages, page_size, H_kv, d); cos / sin (seqlen_ro, r / 2);
         descales (B, H_kv) float32 with an e4m3 cache."""
-        tokens = mK.shape[1]
+        tokens, heads = mK.shape[1], mK.shape[2]
         if cutlass.const_expr(self.rotary):
-            tokens = cutlass.max(tokens, mQ.shape[1])
+            tokens, heads = cutlass.max(tokens, mQ.shape[1]), mQ.shape[2]
         self.kernel(mQ, mQOut, mK, mV, mKCache, mVCache, mSeqlens, mBatchIdx, mPageTable, mCos, mSin,
-                    mKDescale, mVDescale).launch(grid=[tokens, mK.shape[0], 1], block=[THREADS, 1, 1],
-                                                 stream=stream)
+                    mKDescale, mVDescale).launch(grid=[tokens, mK.shape[0], cute.ceil_div(heads, HEADS)],
+                                                 block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mQOut: cute.Tensor | None, mK: cute.Tensor, mV: cute.Tensor,
@@ -51,15 +52,16 @@ class AppendKV:
                mBatchIdx: cute.Tensor | None, mPageTable: cute.Tensor | None, mCos: cute.Tensor | None,
                mSin: cute.Tensor | None, mKDescale: cute.Tensor | None, mVDescale: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
-        t, b, _ = cute.arch.block_idx()
+        t, b, g = cute.arch.block_idx()
         base = mSeqlens[b]
         if cutlass.const_expr(self.rotary):
             if t < mQ.shape[1]:
                 pos = base
                 if cutlass.const_expr(self.per_token_q):
                     pos = base + t
-                self.rotate_rows(mQ[b, t, None, None], mQOut[b, t, None, None], mCos, mSin, pos, None, tidx)
-        if t < mK.shape[1]:
+                self.rotate_rows(mQ[b, t, None, None], mQOut[b, t, None, None], mCos, mSin, pos, None, g,
+                                 tidx)
+        if t < mK.shape[1] and g * HEADS < mK.shape[2]:
             slot = base + t
             row, col = b, slot
             if cutlass.const_expr(self.batch_idx):
@@ -69,11 +71,11 @@ class AppendKV:
                 row, col = mPageTable[b, slot // page_size], slot % page_size
             k_scale, v_scale = self.inverse_descales(mKDescale, mVDescale, b)
             self.rotate_rows(mK[b, t, None, None], mKCache[row, col, None, None], mCos, mSin, slot, k_scale,
-                             tidx)
-            self.copy_rows(mV[b, t, None, None], mVCache[row, col, None, None], v_scale, tidx)
+                             g, tidx)
+            self.copy_rows(mV[b, t, None, None], mVCache[row, col, None, None], v_scale, g, tidx)
 
     def inverse_descales(self, mKDescale, mVDescale, b):
-        """(H_kv,) factors the new keys / values are multiplied by before they are rounded to e4m3."""
+        """(H_kv,) descales the new keys / values are divided by before they are rounded to e4m3."""
         if cutlass.const_expr(not self.fp8):
             return None, None
         return mKDescale[b, None], mVDescale[b, None]
@@ -90,16 +92,17 @@ class AppendKV:
 
     @cute.jit
     def rotate_rows(self, src: cute.Tensor, dst: cute.Tensor, mCos: cute.Tensor | None,
-                    mSin: cute.Tensor | None, pos: Int32, scale: cute.Tensor | None, tidx: Int32):
-        """One token's (heads, d) rows rotated at ``pos`` (copied without rotary), one channel pair
-        per thread and step."""
+                    mSin: cute.Tensor | None, pos: Int32, scale: cute.Tensor | None, g: Int32, tidx: Int32):
+        """Heads [g * HEADS, (g + 1) * HEADS) of one token's (heads, d) rows rotated at ``pos``
+        (copied without rotary), one channel pair per thread and step."""
         half = src.shape[1] // 2
         r2 = Int32(0)
         if cutlass.const_expr(self.rotary):
             r2 = mCos.shape[1]
-        for i in cutlass.range(tidx, src.shape[0] * half, THREADS, unroll=1):
-            h = i // half
-            j = i - h * half
+        count = cutlass.min(src.shape[0] - g * HEADS, HEADS) * half
+        for i in cutlass.range(tidx, count, THREADS, unroll=1):
+            h = g * HEADS + i // half
+            j = i - (i // half) * half
             lo, hi = 2 * j, 2 * j + 1
             if cutlass.const_expr(not self.interleaved):
                 if j < r2:
@@ -113,9 +116,11 @@ class AppendKV:
             self.store(dst, h, hi, y, scale)
 
     @cute.jit
-    def copy_rows(self, src: cute.Tensor, dst: cute.Tensor, scale: cute.Tensor | None, tidx: Int32):
+    def copy_rows(self, src: cute.Tensor, dst: cute.Tensor, scale: cute.Tensor | None, g: Int32,
+                  tidx: Int32):
         cols = src.shape[1]
-        for i in cutlass.range(tidx, src.shape[0] * cols, THREADS, unroll=1):
-            h = i // cols
-            c = i - h * cols
+        count = cutlass.min(src.shape[0] - g * HEADS, HEADS) * cols
+        for i in cutlass.range(tidx, count, THREADS, unroll=1):
+            h = g * HEADS + i // cols
+            c = i - (i // cols) * cols
             self.store(dst, h, c, src[h, c].to(Float32), scale)

@@ -73,3 +73,29 @@ def pack_codes(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=N
         "{\n.reg .b32 lo, hi;\ncvt.rn.relu.f16x2.f32 lo, $2, $1;\ncvt.rn.relu.f16x2.f32 hi, $4, $3;\n"
         "prmt.b32 $0, lo, hi, 0x6420;\n}",
         "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# --- e4m3 -> 16 bit by bit placement ----------------------------------------------------------
+# An e4m3 byte's sign, exponent and mantissa moved into a bf16 (f16) field read as that type are
+# the code's value times 2^-120 (2^-8), subnormal codes included (they land on the 16-bit type's
+# subnormals); one exact multiply restores it. Integer ops and one packed multiply per two codes,
+# instead of the e4m3 -> f16 -> f32 -> bf16 conversion chain. The NaN codes come out finite (480):
+# cache slots no sequence owns are masked (K) and zeroed (V) anyway.
+_E4M3_PLACE = {  # 16-bit type: (shift of the code's magnitude from bit 8, its mask, 2^bias gap)
+    True: (4, 0x07F007F0, 0x7B807B80, "bf16x2"),
+    False: (1, 0x3F803F80, 0x5C005C00, "f16x2"),
+}
+
+
+@dsl_user_op
+def e4m3x2_to_16bit(word: Int32, upper: bool, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Bytes 0, 1 (``upper``: 2, 3) of ``word`` (e4m3 codes) as one bf16x2 / f16x2 word, byte 0
+    (2) in the low half."""
+    shift, mask, scale, kind = _E4M3_PLACE[bf16]
+    select = "0x3424" if upper else "0x1404"  # each code into the high byte of its half
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 z, t, u, s;\nmov.b32 z, 0;\n"
+        f"prmt.b32 t, $1, z, {select};\nshr.b32 u, t, {shift};\nand.b32 t, t, 0x80008000;\n"
+        f"and.b32 u, u, {mask:#x};\nor.b32 t, t, u;\nmov.b32 s, {scale:#x};\nmul.rn.{kind} $0, t, s;\n}}",
+        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -23,6 +23,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 
 from cute_flash.device import warp_mma
+from cute_flash.device.convert import e4m3x2_to_16bit
 from cute_flash.hopper.fwd_kvcache import FlashFwdSm90KVCache
 
 CONVERTER_WARPS = 3
@@ -113,8 +114,8 @@ class FlashFwdSm90KVCacheFp8(FlashFwdSm90KVCache):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 32
         staged = self.staging(smem)
-        src_k = (staged.sK, pipes.k8, smem.sK, pipes.k, self.hdim)
-        src_v = (staged.sV, pipes.v8, smem.sV, pipes.v, self.hdim_v)
+        src_k = (staged.sK, pipes.k8, smem.sK, pipes.k)
+        src_v = (staged.sV, pipes.v8, smem.sV, pipes.v)
         read_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         read_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         write_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -124,37 +125,51 @@ class FlashFwdSm90KVCacheFp8(FlashFwdSm90KVCache):
             _, _, _, _, _, has_rows, n_block_min, n_block_max = self.tile_work(mQ, mK, geo, tile_idx)
             if has_rows and n_block_max > n_block_min:
                 # The producer's order: K(last), then K(n - 1) before V(n), then V(first).
-                self.convert_block(src_k, read_k, write_k, tidx)
+                self.convert_block(src_k, read_k, write_k, tidx, False)
                 read_k.advance()
                 write_k.advance()
                 for _ in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
-                    self.convert_block(src_k, read_k, write_k, tidx)
+                    self.convert_block(src_k, read_k, write_k, tidx, False)
                     read_k.advance()
                     write_k.advance()
-                    self.convert_block(src_v, read_v, write_v, tidx)
+                    self.convert_block(src_v, read_v, write_v, tidx, True)
                     read_v.advance()
                     write_v.advance()
-                self.convert_block(src_v, read_v, write_v, tidx)
+                self.convert_block(src_v, read_v, write_v, tidx, True)
                 read_v.advance()
                 write_v.advance()
             tile_idx = self.receive_next_tile(geo, tile_idx)
 
     @cute.jit
-    def convert_block(self, src, read, write, tidx: Int32):
-        """One staged block into its 16-bit stage: wait for both, convert, publish, free the staging."""
-        s8, pipe8, s16, pipe16, cols = src
+    def convert_block(self, src, read, write, tidx: Int32, is_v: cutlass.Constexpr[bool]):
+        """One staged block into its 16-bit stage: wait for both, convert, publish, free the staging.
+        The chunks per thread are unrolled so their shared-memory loads overlap."""
+        s8, pipe8, s16, pipe16 = src
+        cols = self.hdim
+        if cutlass.const_expr(is_v):
+            cols = self.hdim_v
         self.wait_full(pipe8, read)
         self.acquire_empty(pipe16, write)
         s8_stage = s8[None, None, read.index]
         s16_stage = s16[None, None, write.index]
         per_row = cols // CHUNK
-        for i in cutlass.range(tidx, self.tile_n * per_row, CONVERTER_THREADS, unroll=1):
-            r = i // per_row
-            c = i - r * per_row
-            codes = cute.local_tile(s8_stage, (1, CHUNK), (r, c))
-            vals = cute.make_rmem_tensor((1, CHUNK), self.dtype)
-            vals.store(codes.load().to(self.dtype))
-            cute.autovec_copy(vals, cute.local_tile(s16_stage, (1, CHUNK), (r, c)))
+        chunks = self.tile_n * per_row
+        row_shift = per_row.bit_length() - 1  # (a power of two)
+        bf16 = cutlass.const_expr(self.dtype is cutlass.BFloat16)
+        for k in cutlass.range_constexpr(-(-chunks // CONVERTER_THREADS)):
+            i = tidx + k * CONVERTER_THREADS
+            if i < chunks:
+                r = i >> row_shift
+                c = i & (per_row - 1)
+                codes = cute.make_rmem_tensor((1, CHUNK // 4), Int32)
+                cute.autovec_copy(cute.recast_tensor(cute.local_tile(s8_stage, (1, CHUNK), (r, c)), Int32),
+                                  codes)
+                vals = cute.make_rmem_tensor((1, CHUNK), self.dtype)
+                words = cute.recast_tensor(vals, Int32)
+                for j in cutlass.range_constexpr(CHUNK // 4):
+                    words[2 * j] = e4m3x2_to_16bit(codes[j], False, bf16)
+                    words[2 * j + 1] = e4m3x2_to_16bit(codes[j], True, bf16)
+                cute.autovec_copy(vals, cute.local_tile(s16_stage, (1, CHUNK), (r, c)))
         # Generic-proxy stores, read next by wgmma (async proxy).
         cute.arch.fence_view_async_shared()
         pipe16.producer_commit(write)

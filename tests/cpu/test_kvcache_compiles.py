@@ -88,9 +88,12 @@ def test_kvcache_forward_compiles(cfg: FwdSm90KVCacheConfig) -> None:
         # Every K and V block is tile_n / page_box boxes, each at its own page.
         assert _count(ptx, tma_loads) >= 2 * (cfg.tile_n // cfg.page_box) + 1
     if cfg.kv_dtype:
-        # Staged e4m3 bytes in 16-byte loads, converted by the hardware's e4m3 pair conversion,
-        # stored 16 bytes at a time and fenced for wgmma before the consumers are signalled.
-        assert _count(ptx, r"cvt\.rn\.f16x2\.e4m3x2") >= 16
+        # Staged e4m3 bytes in 16-byte loads, moved into 16-bit fields (a byte permute per two
+        # codes) and rescaled by one packed multiply, stored 16 bytes at a time and fenced for
+        # wgmma before the consumers are signalled.
+        kind = "bf16x2" if cfg.dtype == "bf16" else "f16x2"
+        assert _count(ptx, rf"mul\.rn\.{kind}") >= 16 and _count(ptx, r"prmt\.b32") >= 16
+        assert _count(ptx, r"cvt[^\n]*e4m3") == 0
         assert _count(ptx, r"ld\.shared\.v4") > 0 and _count(ptx, r"st\.shared\.v4") > 0
         assert _count(ptx, r"fence\.proxy\.async") > 0
     if cfg.batch_idx or cfg.leftpad:
