@@ -17,6 +17,14 @@ from cute_flash.problem import Problem
 # against its loads.
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
+# Decoding (a tile's query rows, packed GQA included, at most DECODE_TILE_M): the forward's tiles
+# would spend 128 rows of mma.sync per key block on a few useful ones, which makes a memory-bound
+# problem compute-bound; two warps of 16 rows keep the tensor cores below the memory time, and
+# several such CTAs share an SM (docs/tuning.md, "sm80 decoding tile").
+DECODE_TILE_M = 32
+DECODE_KV_STAGE = 64 * 256  # elements of K and V per block: 32 KB, so that four CTAs fit an SM
+SM80_SMEM_PER_SM = 227 * 1024
+MAX_REGS_PER_THREAD = 255
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,8 @@ class FwdKVCacheConfig(FwdConfig):
         if self.page_size and max(self.hdim, self.hdim_v) > 64:
             # Each copied row's page lookup and address take registers the widest tiles do not have.
             tile_m, tile_n, threads, stages = self.tiles
-            cap = 64 if max(self.hdim, self.hdim_v) <= 128 else 32
+            # (Two warps copy twice the rows per thread: the widest rows then take half the block.)
+            cap = 64 if max(self.hdim, self.hdim_v) <= 128 else (32 if threads >= 128 else 16)
             object.__setattr__(self, "tiles", (tile_m, min(tile_n, cap), threads, stages))
 
     def build(self):
@@ -177,25 +186,53 @@ class KVCachePlan:
 MAX_GRID_YZ = 65535
 
 
-def split_count(num_sms: int, tiles: int, n_blocks: int, num_splits: int, batch: int = 1) -> int:
+def split_count(slots: int, tiles: int, n_blocks: int, num_splits: int, batch: int = 1) -> int:
     """Splits per tile: ``num_splits`` if given (clipped to the key blocks and the grid), else enough
-    to fill the SMs once with at least ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
+    to fill the ``slots`` (SMs, or resident CTAs of all SMs) once with at least
+    ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
     if num_splits <= 0:
-        num_splits = min(num_sms // max(tiles, 1), n_blocks // MIN_BLOCKS_PER_SPLIT)
+        num_splits = min(slots // max(tiles, 1), n_blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(num_splits, n_blocks, MAX_SPLITS, MAX_GRID_YZ // max(batch, 1)))
 
 
-def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0,
-         num_splits: int = 0) -> KVCachePlan:
+def _pack(p: Problem, tile_m: int) -> int:
+    """Query heads per KV head packed into one tile (1: none) for tiles of ``tile_m`` rows."""
+    group = p.heads_q // p.heads_kv
+    fits = group > 1 and tile_m % group == 0 and p.max_seqlen_q * group <= tile_m and p.q_dense
+    return group if fits else 1
+
+
+def decode_tiles(tiles: tuple[int, int, int, int], hdim: int, hdim_v: int) -> tuple[int, int, int, int]:
+    """The decoding tile beside the forward's ``tiles``: DECODE_TILE_M rows, one warp per 16, the
+    forward's tile_n up to DECODE_KV_STAGE elements of K and V, one stage (the SM's other CTAs
+    hide the loads)."""
+    return DECODE_TILE_M, min(tiles[1], DECODE_KV_STAGE // (hdim + hdim_v)), DECODE_TILE_M // 16 * 32, 1
+
+
+def ctas_per_sm(cfg: FwdKVCacheConfig) -> int:
+    """Resident CTAs of ``cfg`` per SM, bounded by shared memory (Q, the K / V stages) and by
+    registers at the most a thread can hold."""
+    tile_m, tile_n, threads, stages = cfg.tiles
+    smem = 2 * (tile_m * max(cfg.hdim, cfg.hdim_v) + stages * tile_n * (cfg.hdim + cfg.hdim_v))
+    return max(1, min(SM80_SMEM_PER_SM // smem, 65536 // (MAX_REGS_PER_THREAD * threads)))
+
+
+def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0, num_splits: int = 0,
+         tiles: tuple[int, int, int, int] | None = None) -> KVCachePlan:
     """The sm80 variant and split count of one call, from shapes only (``p.max_seqlen_k``: the
-    cache's capacity)."""
+    cache's capacity); ``tiles`` forces (tile_m, tile_n, threads, stages) (the tile sweep).
+    Decoding takes ``decode_tiles``, and its splits fill every resident CTA slot of the SMs."""
     base = FwdKVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                            local=p.local, softcap=p.softcap, page_size=page_size)
+                            local=p.local, softcap=p.softcap, page_size=page_size,
+                            tiles=tiles or (0, 0, 0, 0))
+    decoding = p.max_seqlen_q * _pack(p, DECODE_TILE_M) <= DECODE_TILE_M
+    if tiles is None and decoding:
+        base = replace(base, tiles=decode_tiles(base.tiles, p.hdim, p.hdim_v))
     tile_m, tile_n = base.tiles[:2]
-    pack = p.heads_q // p.heads_kv
-    pack = pack if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense else 1
+    pack = _pack(p, tile_m)
+    slots = p.num_sms * (ctas_per_sm(base) if tile_m <= DECODE_TILE_M else 1)
     tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
-    splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
+    splits = split_count(slots, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
     cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad, pack_gqa=pack)
     combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
     return KVCachePlan(cfg, splits, combine)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from cute_flash import dispatch, flash_attn_with_kvcache
+from cute_flash.ampere import kvcache_config as sm80_kvcache
+from cute_flash.ampere.config import FwdConfig
 
 BF = torch.bfloat16
 
@@ -170,16 +172,38 @@ def test_other_gpus_plan_the_sm80_kernel_paged_caches_included() -> None:
                                  seqlen_q=1, capacity=64 * 1024, heads_q=8, heads_kv=8, num_sms=108,
                                  q_dense=True)
     plan = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False)
-    assert plan.config.kernel_name == "fwd_sm80_kvcache" and plan.config.split and plan.num_splits == 108 // 8
+    slots = 108 * sm80_kvcache.ctas_per_sm(plan.config)  # (small decoding CTAs share an SM)
+    assert plan.config.kernel_name == "fwd_sm80_kvcache" and plan.config.split
+    assert plan.num_splits == slots // 8
     gqa = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=2,
                                    seqlen_q=1, capacity=64 * 1024, heads_q=32, heads_kv=8, num_sms=108,
                                    q_dense=True)
     packed = dispatch.kvcache_plan("sm_80", gqa, batch_idx=False, leftpad=False)
-    assert packed.config.pack_gqa == 4 and packed.num_splits == 108 // (2 * 8)
+    assert packed.config.pack_gqa == 4 and packed.num_splits == slots // (2 * 8)
     paged = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=64)
     assert paged.config.kernel_name == "fwd_sm80_kvcache" and paged.config.page_size == 64
     hopper = dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False)
     assert hopper.config.kernel_name == "fwd_sm90_kvcache"
+
+
+@pytest.mark.parametrize("nq,d", [(1, 64), (1, 128), (4, 128), (1, 256)])
+def test_sm80_decoding_takes_two_warp_tiles_that_share_an_sm(nq: int, d: int) -> None:
+    p = dispatch.kvcache_problem("bf16", d, d, causal=True, local=False, softcap=False, batch=64,
+                                 seqlen_q=nq, capacity=4096, heads_q=32, heads_kv=8, num_sms=108,
+                                 q_dense=True)
+    for page_size in (0, 1):
+        cfg = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False, page_size=page_size).config
+        tile_m, tile_n, threads, _ = cfg.tiles
+        assert (tile_m, threads) == (32, 64) and cfg.pack_gqa == 4 and tile_n * 2 * d <= 64 * 256
+        assert sm80_kvcache.ctas_per_sm(cfg) >= 4
+
+
+def test_sm80_prefill_keeps_the_forward_tile() -> None:
+    p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=1,
+                                 seqlen_q=300, capacity=4096, heads_q=32, heads_kv=8, num_sms=108,
+                                 q_dense=True)
+    cfg = dispatch.kvcache_plan("sm_80", p, batch_idx=False, leftpad=False).config
+    assert cfg.tiles == FwdConfig(target="sm_80", dtype="bf16", hdim=128, hdim_v=128, causal=True).tiles
 
 
 @pytest.mark.parametrize("page_size,kernel", [(16, "fwd_sm90_kvcache"), (256, "fwd_sm90_kvcache"),

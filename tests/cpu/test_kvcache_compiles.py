@@ -13,7 +13,13 @@ from dataclasses import replace
 import pytest
 
 from cute_flash import jit
-from cute_flash.ampere.kvcache_config import AppendKVConfig, FwdCombineConfig, FwdKVCacheConfig
+from cute_flash.ampere.kvcache_config import (
+    DECODE_TILE_M,
+    AppendKVConfig,
+    FwdCombineConfig,
+    FwdKVCacheConfig,
+    decode_tiles,
+)
 from cute_flash.hopper.fwd_config import SM90_SMEM_LIMIT
 from cute_flash.hopper.kvcache_config import FwdSm90KVCacheConfig
 from cute_flash.tools import inspect as ins
@@ -51,6 +57,7 @@ def _id(cfg) -> str:
     flags = [f for f in ("split", "causal", "local", "softcap", "batch_idx", "leftpad") if getattr(cfg, f)]
     flags += [f"page{cfg.page_size}"] if getattr(cfg, "page_size", 0) else []
     flags += [f"kv{cfg.kv_dtype}"] if getattr(cfg, "kv_dtype", "") else []
+    flags += ["decode"] if isinstance(cfg, FwdKVCacheConfig) and cfg.tiles[0] == DECODE_TILE_M else []
     return f"{cfg.dtype}-d{cfg.hdim}-pack{cfg.pack_gqa}-" + "-".join(flags or ["plain"])
 
 
@@ -128,6 +135,11 @@ SM80 = [
     # Paged caches read row by row: one key per page, and pages a block neither holds nor splits.
     _sm80(split=True, causal=True, page_size=1, pack_gqa=8),
     _sm80("fp16", 64, page_size=48),
+    # Decoding tiles (two warps), as planned: one key per page at the widest rows, and contiguous.
+    _sm80(d=256, split=True, causal=True, page_size=1, pack_gqa=4,
+          tiles=decode_tiles((64, 64, 128, 1), 256, 256)),
+    _sm80(split=True, causal=True, softcap=True, local=True, pack_gqa=4,
+          tiles=decode_tiles((128, 128, 256, 1), 128, 128)),
 ]
 
 
