@@ -25,7 +25,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     deterministic: bool = False, return_lse: bool = False, *,
                     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-                    v_descale: torch.Tensor | None = None, fp8: bool = False
+                    v_descale: torch.Tensor | None = None, fp8: bool = False,
+                    sinks: torch.Tensor | None = None
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on (B, N, H, d) tensors.
 
@@ -37,6 +38,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     Returns out (B, Nq, H, dv), or (out, lse) with lse (B, H, Nq) float32 (natural log; -inf for
     a query that sees no key, whose output is 0).
 
+    ``sinks`` (H,) float32: learnable attention sinks (gpt-oss), one logit per query head that
+    joins every row's softmax denominator (beside the scaled, capped scores) and contributes no
+    value; the LSE includes it. Differentiable (its gradient is returned like q's).
+
     FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
     omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
@@ -45,9 +50,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     validate.check_call({"q": q, "k": k, "v": v}, flags)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     if fp8 or q.dtype == FP8:
-        if softcap != 0.0:
-            raise ValueError("FP8 attention has no softcap")
+        _fp8_checks(softcap, sinks)
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
         out, lse = ops_fp8.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size,
@@ -56,8 +62,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if any(x is not None for x in (q_descale, k_descale, v_descale)):
         raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
-    out, lse = _ops.attention_fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic))
+    out, lse = _ops.attention_fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic), sinks=sinks)
     return (out, lse) if return_lse else out
+
+
+def _fp8_checks(softcap: float, sinks: torch.Tensor | None) -> None:
+    if softcap != 0.0:
+        raise ValueError("FP8 attention has no softcap")
+    if sinks is not None:
+        raise NotImplementedError("FP8 attention does not take sinks yet")
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotate: bool = True, seed: int = 0
@@ -80,7 +93,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            deterministic: bool = False, return_lse: bool = False, *,
                            q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-                           v_descale: torch.Tensor | None = None, fp8: bool = False
+                           v_descale: torch.Tensor | None = None, fp8: bool = False,
+                           sinks: torch.Tensor | None = None
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on packed variable-length sequences.
 
@@ -91,14 +105,16 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     lse (H, Tq) float32.
 
     FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
-    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head.
+    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head. ``sinks`` as in
+    ``flash_attn_func``.
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     validate.check_call(tensors, flags)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     if fp8 or q.dtype == FP8:
-        if softcap != 0.0:
-            raise ValueError("FP8 attention has no softcap")
+        _fp8_checks(softcap, sinks)
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
         out, lse = ops_fp8.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
@@ -110,7 +126,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = _ops.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                          int(max_seqlen_k), scale, bool(causal), wl, wr, cap,
-                                         bool(deterministic))
+                                         bool(deterministic), sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -160,7 +176,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float | None = None, causal: bool = False,
                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, num_splits: int = 0, return_lse: bool = False,
-                            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
+                            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                            sinks: torch.Tensor | None = None
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of new queries over a KV cache, with flash-attn's semantics (inference: no autograd).
 
@@ -189,13 +206,19 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     forward's convention, per sequence b, not per cache row). New ``k`` / ``v`` in q's dtype are
     divided by them and rounded into the cache (saturating at +-448); e4m3 ones are written as
     given. Out is in q's dtype.
+
+    ``sinks`` (H,) float32: learnable sink logits as in ``flash_attn_func`` (split, the merge adds
+    them).
     """
     flags = {"causal": causal, "rotary_interleaved": rotary_interleaved, "return_lse": return_lse}
     validate.check_call({"q": q, "k_cache": k_cache, "v_cache": v_cache}, flags)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = ops_kvcache.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                        cache_batch_idx, cache_leftpad, page_table, k_descale, v_descale,
-                                       scale, bool(causal), wl, wr, cap, bool(rotary_interleaved), num_splits)
+                                       scale, bool(causal), wl, wr, cap, bool(rotary_interleaved), num_splits,
+                                       sinks)
     return (out, lse) if return_lse else out

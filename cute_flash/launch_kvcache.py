@@ -19,21 +19,21 @@ _PLANS = HostMemo(256)
 
 
 def _plan(q: Tensor, k_cache: Tensor, v_cache: Tensor, capacity: int, causal: bool, local: bool,
-          softcap: float, batch_idx: bool, leftpad: bool, page_size: int, num_splits: int):
+          softcap: float, batch_idx: bool, leftpad: bool, page_size: int, num_splits: int, sinks: bool):
     """(plan, compiled kernel, compiled merge or None) of one call's shapes."""
     arch = jit.device_arch(q.device)
     # (The family is part of the key: CUTE_FLASH_FWD_KERNEL is read at every call.)
     family = dispatch.fwd_family(arch, q.shape[-1], v_cache.shape[-1])
     key = (q.dtype, tuple(q.shape), q.stride(), k_cache.dtype, tuple(k_cache.shape[2:]), v_cache.shape[-1],
            capacity, q.device, causal, local, softcap > 0.0, batch_idx, leftpad, page_size, num_splits,
-           family)
+           family, sinks)
     hit = _PLANS.get(key)
     if hit is None:
         p = dispatch.kvcache_problem(formats.dtype_name(q.dtype), q.shape[-1], v_cache.shape[-1],
                                      causal=causal, local=local, softcap=softcap > 0.0, batch=q.shape[0],
                                      seqlen_q=q.shape[1], capacity=capacity, heads_q=q.shape[2],
                                      heads_kv=k_cache.shape[2], num_sms=launch.sm_count(q.device),
-                                     q_dense=launch.dense_bnhd(q))
+                                     q_dense=launch.dense_bnhd(q), sinks=sinks)
         kv_dtype = "e4m3" if kv_append.is_fp8(k_cache) else ""
         plan = dispatch.kvcache_plan(arch, p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
                                      num_splits=num_splits, kv_dtype=kv_dtype)
@@ -78,9 +78,10 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
                     k_descale: Tensor | None, v_descale: Tensor | None, out: Tensor, lse: Tensor, *,
                     softmax_scale: float, causal: bool,
                     window_size: tuple[int, int], softcap: float, rotary_interleaved: bool,
-                    num_splits: int) -> None:
+                    num_splits: int, sinks: Tensor | None = None) -> None:
     """On validated CUDA tensors: appends to the caches in place and writes ``out`` (B, Nq, H, dv)
-    and ``lse`` (B, H, Nq). A paged cache is read in place, page by page, by the kernel."""
+    and ``lse`` (B, H, Nq). A paged cache is read in place, page by page, by the kernel. ``sinks``:
+    (H,) fp32 sink logits (the kernel adds them unsplit, the merge when split), or None."""
     batch = q.shape[0]
     new = 0 if k is None else k.shape[1]
     capacity = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
@@ -91,7 +92,8 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     page_size = 0 if page_table is None else k_cache.shape[1]
     # Planned (and compiled) before the append: a call that cannot run leaves the caches untouched.
     plan, fn, merge = _plan(q, k_cache, v_cache, capacity, causal_k, local, softcap,
-                            cache_batch_idx is not None, cache_leftpad is not None, page_size, num_splits)
+                            cache_batch_idx is not None, cache_leftpad is not None, page_size, num_splits,
+                            sinks is not None)
     descales = (None, None)
     if kv_append.is_fp8(k_cache):
         ones = torch.ones((batch, k_cache.shape[2]), dtype=torch.float32, device=q.device)
@@ -107,11 +109,13 @@ def run_fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | Non
     seqused = cache_seqlens + new if new else cache_seqlens
     index = (seqused, cache_batch_idx, cache_leftpad, page_table, *descales)
     scalars = (float(softmax_scale), float(softcap) if softcap > 0 else 0.0, left, right, plan.num_splits)
+    if sinks is not None:
+        sinks = sinks.contiguous()
     if merge is None:
-        fn(q, k_cache, v_cache, out, lse, *index, *scalars)
+        fn(q, k_cache, v_cache, out, lse, *index, *scalars, sinks)
         return
     splits = plan.num_splits
     o_acc = torch.empty((batch * splits, *out.shape[1:]), dtype=torch.float32, device=q.device)
     lse_acc = torch.empty((batch * splits, *lse.shape[1:]), dtype=torch.float32, device=q.device)
-    fn(q, k_cache, v_cache, o_acc, lse_acc, *index, *scalars)
-    merge(o_acc, lse_acc, out, lse, splits)
+    fn(q, k_cache, v_cache, o_acc, lse_acc, *index, *scalars, None)
+    merge(o_acc, lse_acc, out, lse, splits, sinks)

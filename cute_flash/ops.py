@@ -81,30 +81,44 @@ def _is_empty(q: Tensor, k: Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 def _fwd_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
               softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
-              max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor]:
+              max_q: int | None = None, max_k: int | None = None,
+              sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     out, lse = _alloc_fwd(q, v, cu_q is not None)
     if _is_empty(q, k):
         out.zero_()
-        lse.fill_(float("-inf"))
+        if sinks is None:
+            lse.fill_(float("-inf"))
+        else:  # (a row that sees no key still has its sink: LSE = sink)
+            lse.copy_(_empty_lse(lse, sinks, cu_q is not None))
         return out, lse
     with torch.cuda.device(q.device):
         launch.run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
                        causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
-                       cu_seqlens_k=cu_k, max_seqlen_q=max_q)
+                       cu_seqlens_k=cu_k, max_seqlen_q=max_q, sinks=sinks)
     return out, lse
+
+
+def _empty_lse(lse: Tensor, sinks: Tensor, varlen: bool) -> Tensor:
+    """The LSE of rows that see no key when sinks join the softmax: the sink itself."""
+    return sinks.view(-1, 1).expand(lse.shape) if varlen else sinks.view(1, -1, 1).expand(lse.shape)
 
 
 def _fwd_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
              softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
-             max_q: int | None = None, max_k: int | None = None) -> tuple[Tensor, Tensor]:
+             max_q: int | None = None, max_k: int | None = None,
+             sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     out, lse = _alloc_fwd(q, v, cu_q is not None)
     ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale=scale, causal=causal,
                                                window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
-                                               cu_seqlens_k=cu_k)
+                                               cu_seqlens_k=cu_k, sinks=sinks)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
@@ -112,52 +126,58 @@ def _fwd_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window
 
 def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, window: tuple[int, int], softcap: float,
               cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
-              max_k: int | None = None) -> tuple[Tensor, Tensor]:
+              max_k: int | None = None, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     # Metadata checks at trace time, so a bad call fails while compiling, not at run time.
     validate.check_fwd(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, check_data=False)
+    if sinks is not None:
+        validate.check_sinks(sinks, q)
     return _alloc_fwd(q, v, cu_q is not None)
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=(), device_types="cpu")
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
-        window_right: int, softcap: float, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+        window_right: int, softcap: float, deterministic: bool = False,
+        sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention forward on (B, N, H, d) inputs: (out (B, Nq, H, dv), lse (B, H, Nq) float32).
-    ``deterministic`` only matters to the backward; it rides along so autograd can see it."""
-    return _fwd_cpu(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+    ``deterministic`` only matters to the backward; it rides along so autograd can see it.
+    ``sinks``: (H,) float32 learnable sink logits, or None."""
+    return _fwd_cpu(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, sinks=sinks)
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda_kernel(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
-    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
+def _fwd_cuda_kernel(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
+                     sinks=None):
+    return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, sinks=sinks)
 
 
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
-    return _fwd_fake(q, k, v, softmax_scale, (window_left, window_right), softcap)
+def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic=False, sinks=None):
+    return _fwd_fake(q, k, v, softmax_scale, (window_left, window_right), softcap, sinks=sinks)
 
 
 @torch.library.custom_op("cute_flash::varlen_fwd", mutates_args=(), device_types="cpu")
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-               softcap: float, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+               softcap: float, deterministic: bool = False,
+               sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention forward on packed (total, H, d) inputs: (out (Tq, H, dv), lse (H, Tq) float32)."""
     return _fwd_cpu(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
-                    cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
 
 
 @varlen_fwd.register_kernel("cuda")
 def _varlen_fwd_cuda_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                            causal, window_left, window_right, softcap, deterministic=False):
+                            causal, window_left, window_right, softcap, deterministic=False, sinks=None):
     return _fwd_cuda(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
 
 
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-      window_right, softcap, deterministic=False):
+      window_right, softcap, deterministic=False, sinks=None):
     return _fwd_fake(q, k, v, softmax_scale, (window_left, window_right), softcap, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k)
+                     max_seqlen_q, max_seqlen_k, sinks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,9 +282,9 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 # Autograd
 # ---------------------------------------------------------------------------------------------
 def _setup_fwd(ctx, inputs, output) -> None:
-    q, k, v, scale, causal, wl, wr, softcap, deterministic = inputs
+    q, k, v, scale, causal, wl, wr, softcap, deterministic, *sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks[0] if sinks else None)
     ctx.varlen = None
     ctx.params = (scale, causal, wl, wr, softcap, deterministic)
     # Unused outputs (usually lse) then arrive as None instead of zeros, which lets the backward
@@ -273,9 +293,9 @@ def _setup_fwd(ctx, inputs, output) -> None:
 
 
 def _setup_varlen_fwd(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, deterministic = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, softcap, deterministic, *sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, sinks[0] if sinks else None, cu_q, cu_k)
     ctx.varlen = (max_q, max_k)
     ctx.params = (scale, causal, wl, wr, softcap, deterministic)
     ctx.set_materialize_grads(False)
@@ -283,38 +303,61 @@ def _setup_varlen_fwd(ctx, inputs, output) -> None:
 
 def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None,
                      direct: bool = False) -> tuple[Tensor | None, ...]:
-    if ctx.varlen is None:
-        q, k, v, out, lse = ctx.saved_tensors
-    else:
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    scale, causal, wl, wr, softcap, deterministic = ctx.params
-
+    """(dq, dk, dv, dsinks)."""
+    q, k, v, out, lse, sinks, *cu = ctx.saved_tensors
     if dout is None and dlse is None:
-        return None, None, None
+        return None, None, None, None
+    dsinks = None
+    if sinks is not None and sinks.requires_grad:
+        dsinks = _sink_grad(sinks, out, lse, dout, dlse, ctx.varlen is not None)
+    return (*_qkv_grads(ctx, q, k, v, out, lse, cu, dout, dlse, direct), dsinks)
+
+
+def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None,
+               varlen: bool) -> Tensor:
+    """d loss / d sink_h = sum over rows of p_sink (dlse - rowsum(dO * O)), p_sink = exp(sink - LSE):
+    the sink's score gets dS = P (dP - D) with dP = 0 (it carries no value), plus the LSE's own
+    gradient. (dq / dk / dv need nothing new: the LSE already includes the sink.)"""
+    lse = lse.float()
+    p_sink = torch.exp((sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1)) - lse)
+    g = torch.zeros_like(lse)
+    if dout is not None:
+        d = (dout.float() * out.float()).sum(-1)  # (B, Nq, H) | (Tq, H)
+        g = g - (d.t() if varlen else d.transpose(1, 2))
+    if dlse is not None:
+        g = g + dlse.float()
+    dims = (1,) if varlen else (0, 2)
+    return (p_sink * g).sum(dims)
+
+
+def _qkv_grads(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: list[Tensor],
+               dout: Tensor | None, dlse: Tensor | None, direct: bool) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv) through the backward op (``cu``: the varlen offsets, or empty)."""
+    scale, causal, wl, wr, softcap, deterministic = ctx.params
     # Only the LSE used: dO = 0 (its dv is then exactly 0). A used LSE costs no second backward:
     # the preprocess folds dlse into D (d lse_i / d s_ij = P_ij adds P_ij dlse_i to dS_ij).
     dout = torch.zeros_like(out) if dout is None else kernel_ready(dout)
     if dlse is not None:
         dlse = dlse.float().contiguous()
     if direct:
-        varlen = () if ctx.varlen is None else (cu_q, cu_k, *ctx.varlen)
+        varlen = () if ctx.varlen is None else (*cu, *ctx.varlen)
         with _named("cute_flash::bwd" if ctx.varlen is None else "cute_flash::varlen_bwd"):
             return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic,
                              *varlen, dlse=dlse)
     flags = (scale, causal, wl, wr, softcap, deterministic, dlse)
     if ctx.varlen is None:
         return torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *flags)
-    return torch.ops.cute_flash.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.varlen, *flags)
+    return torch.ops.cute_flash.varlen_bwd(dout, q, k, v, out, lse, *cu, *ctx.varlen, *flags)
 
 
 def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-    dq, dk, dv = _attention_grads(ctx, dout, dlse)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv, dsinks = _attention_grads(ctx, dout, dlse)
+    return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 def _varlen_backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-    dq, dk, dv = _attention_grads(ctx, dout, dlse)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dsinks = _attention_grads(ctx, dout, dlse)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsinks
 
 
 fwd.register_autograd(_backward, setup_context=_setup_fwd)
@@ -348,9 +391,10 @@ class _EagerForward(torch.autograd.Function):
     short attention call pays in full). ``run``: the op, or its CUDA implementation (``_direct``)."""
 
     @staticmethod
-    def forward(ctx, run, setup, direct, q, k, v, rest):
-        # (The op's other arguments travel as one tuple: apply walks every argument per call.)
-        inputs = (q, k, v, *rest)
+    def forward(ctx, run, setup, direct, q, k, v, rest, sinks):
+        # (The op's other arguments travel as one tuple: apply walks every argument per call.
+        # The sinks, differentiable, travel on their own.)
+        inputs = (q, k, v, *rest) if sinks is None else (q, k, v, *rest, sinks)
         output = run(inputs)
         setup(ctx, inputs, output)
         ctx.direct = direct
@@ -361,18 +405,22 @@ class _EagerForward(torch.autograd.Function):
         # create_graph=True: through the op, whose missing double backward then raises when
         # reached instead of the gradients' graph being silently cut.
         direct = ctx.direct and not torch.is_grad_enabled()
-        return None, None, None, *_attention_grads(ctx, dout, dlse, direct=direct), None
+        dq, dk, dv, dsinks = _attention_grads(ctx, dout, dlse, direct=direct)
+        return None, None, None, dq, dk, dv, None, dsinks
 
 
-def _needs_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _needs_graph(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> bool:
     """Eager autograd will record this call (torch.compile traces the op's own registration)."""
-    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and not torch.compiler.is_compiling())
+    grads = q.requires_grad or k.requires_grad or v.requires_grad
+    grads = grads or (sinks is not None and sinks.requires_grad)
+    return torch.is_grad_enabled() and grads and not torch.compiler.is_compiling()
 
 
-def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tuple) -> tuple[Tensor, Tensor]:
-    """``op`` on (q, k, v, *rest), differentiable: an eager CUDA call runs ``cuda_kernel`` (the op's
-    own CUDA implementation) without the dispatcher, under the op's name on profiler traces."""
+def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tuple,
+             sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``op`` on (q, k, v, *rest[, sinks]), differentiable: an eager CUDA call runs ``cuda_kernel``
+    (the op's own CUDA implementation) without the dispatcher, under the op's name on profiler
+    traces."""
     direct = _direct(q)
 
     def run(inputs: tuple) -> tuple[Tensor, Tensor]:
@@ -381,17 +429,19 @@ def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tupl
         with _named(op._qualified_op_name):
             return cuda_kernel(*inputs)
 
-    if _needs_graph(q, k, v):
-        return _EagerForward.apply(run, setup, direct, q, k, v, rest)
-    return run((q, k, v, *rest))
+    if _needs_graph(q, k, v, sinks):
+        return _EagerForward.apply(run, setup, direct, q, k, v, rest, sinks)
+    return run((q, k, v, *rest) if sinks is None else (q, k, v, *rest, sinks))
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *flags) -> tuple[Tensor, Tensor]:
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *flags,
+                  sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``torch.ops.cute_flash.fwd``, differentiable, through the cheaper eager paths above."""
-    return _forward(torch.ops.cute_flash.fwd, _fwd_cuda_kernel, _setup_fwd, q, k, v, flags)
+    return _forward(torch.ops.cute_flash.fwd, _fwd_cuda_kernel, _setup_fwd, q, k, v, flags, sinks)
 
 
-def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
+def attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, *args,
+                         sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``torch.ops.cute_flash.varlen_fwd``, differentiable, through the cheaper eager paths above."""
     op = torch.ops.cute_flash.varlen_fwd
-    return _forward(op, _varlen_fwd_cuda_kernel, _setup_varlen_fwd, q, k, v, args)
+    return _forward(op, _varlen_fwd_cuda_kernel, _setup_varlen_fwd, q, k, v, args, sinks)

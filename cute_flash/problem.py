@@ -21,6 +21,7 @@ class Problem:
     local: bool = False  # a sliding window (causal folded in when both are given)
     softcap: bool = False
     varlen: bool = False
+    sinks: bool = False  # (H,) learnable sink logits join the forward's softmax
     deterministic: bool = False
     dlse: bool = False  # the backward also gets the LSE output's gradient
     # Run-time extents (None: compile-only).

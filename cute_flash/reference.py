@@ -94,15 +94,15 @@ def query_block_rows(batch: int, heads: int, nk: int, compute_dtype: torch.dtype
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-                     window_size: tuple[int, int], softcap: float,
-                     compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     window_size: tuple[int, int], softcap: float, compute_dtype: torch.dtype,
+                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Nq, H, d) attention; returns out (B, Nq, H, dv) in compute_dtype, lse (B, H, Nq)."""
     b, nq, h = q.shape[0], q.shape[1], q.shape[2]
     kc = _expand_kv_heads(k.to(compute_dtype), h)
     vc = _expand_kv_heads(v.to(compute_dtype), h)
     step = query_block_rows(b, h, k.shape[1], compute_dtype)
     kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=softcap,
-              compute_dtype=compute_dtype)
+              compute_dtype=compute_dtype, sinks=sinks)
     if nq <= step:
         return _dense_block(q.to(compute_dtype), kc, vc, nq, (0, nq), **kw)
     blocks = [_dense_block(q[:, i:i + step].to(compute_dtype), kc, vc, nq, (i, min(i + step, nq)), **kw)
@@ -112,14 +112,22 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
 def _dense_block(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nq: int, rows: tuple[int, int], *,
                  scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
-                 compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows ``rows`` of an Nq-row problem (qc holds just those rows, kc / vc every key)."""
+                 compute_dtype: torch.dtype,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``rows`` of an Nq-row problem (qc holds just those rows, kc / vc every key);
+    ``sinks`` (H,): a logit per head that joins every row's softmax and adds no value."""
     nk = kc.shape[1]
     s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
     if softcap > 0.0:
         s = softcap * torch.tanh(s / softcap)
     mask = visible_mask(nq, nk, causal=causal, window_size=window_size, device=qc.device, rows=rows)
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        col = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))  # (masked keys: exp(-inf) = 0)
+        out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
+        return out, lse.to(_lse_dtype(compute_dtype))
     lse = torch.logsumexp(s, dim=-1)  # -inf on rows that see no key
     # softmax of an all -inf row is NaN; give such rows zeros instead (and a zero gradient).
     empty_row = ~mask.any(dim=-1, keepdim=True)
@@ -131,8 +139,9 @@ def _dense_block(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nq: int, 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
                   causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                  upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention; differentiable with torch autograd.
+                  upcast: bool = True,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention; differentiable with torch autograd (``sinks`` included).
 
     q (B, Nq, H, d), k (B, Nk, Hkv, d), v (B, Nk, Hkv, dv); or packed q (Tq, H, d),
     k (Tk, Hkv, d), v (Tk, Hkv, dv) with ``cu_seqlens_q``/``cu_seqlens_k`` (B+1,).
@@ -140,11 +149,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_
     Math runs in fp32 (fp64 for fp64 inputs); ``upcast=False`` runs it in the input dtype, which is
     the "same-dtype PyTorch implementation" a kernel's error is compared with. ``out`` is returned
     in that compute dtype (cast it yourself), ``lse`` as float32 (float64 for fp64 inputs),
-    shaped (B, H, Nq) or (H, Tq).
+    shaped (B, H, Nq) or (H, Tq). ``sinks`` (H,): learnable sink logits, one per query head, that
+    join each row's softmax denominator and contribute no value (the LSE includes them).
     """
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     cdt = _compute_dtype(q.dtype, upcast)
-    kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=float(softcap), compute_dtype=cdt)
+    kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=float(softcap), compute_dtype=cdt,
+              sinks=sinks)
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _dense_attention(q, k, v, **kw)
     if cu_seqlens_q is None or cu_seqlens_k is None:

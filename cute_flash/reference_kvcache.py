@@ -20,12 +20,13 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
                           page_table: Tensor | None = None, *, softmax_scale: float | None = None,
                           causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                           rotary_interleaved: bool = True, upcast: bool = True,
-                          k_descale: Tensor | None = None, v_descale: Tensor | None = None
-                          ) -> tuple[Tensor, Tensor]:
+                          k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+                          sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out (B, Nq, H, dv) in the compute dtype, lse (B, H, Nq)); the caches are updated in place.
     ``upcast=False``: the same math in the input dtype (the 2x rule's comparison). ``cache_seqlens``
     None: every cache row is full (no append). An e4m3 cache holds values / descale: sequence b's
-    keys are read as code x ``k_descale[b, h]`` (values likewise; None: 1)."""
+    keys are read as code x ``k_descale[b, h]`` (values likewise; None: 1). ``sinks``: (H,) logits
+    that join each row's softmax (``reference.attention_ref``)."""
     batch = q.shape[0]
     capacity = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
     if cache_seqlens is None:
@@ -47,7 +48,7 @@ def kvcache_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
         kb = _dequantize(keys[rows[b], starts[b]:ends[b]], k_descale, b, q.dtype, upcast).unsqueeze(0)
         vb = _dequantize(values[rows[b], starts[b]:ends[b]], v_descale, b, q.dtype, upcast).unsqueeze(0)
         ob, lb = reference.attention_ref(q[b:b + 1], kb, vb, softmax_scale=softmax_scale, causal=causal,
-                                         window_size=window_size, softcap=softcap, upcast=upcast)
+                                         window_size=window_size, softcap=softcap, upcast=upcast, sinks=sinks)
         outs.append(ob)
         lses.append(lb)
     if not outs:  # no batch

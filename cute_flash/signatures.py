@@ -16,6 +16,11 @@ def scalar_args() -> tuple:
     return f32(1.0), f32(0.0), i32(-1), i32(-1), i32(0)
 
 
+def sinks_arg(sinks: bool):
+    """The forward's (H,) fp32 sink logits, or None (the kernels then compile without them)."""
+    return jit.fake_tensor(cutlass.Float32, (jit.sym(),), leading_dim=0) if sinks else None
+
+
 def fwd_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool) -> tuple:
     """Compile arguments of every forward kernel (sm80 and sm90 share the call signature):
     (q, k, v, o, lse, cu_q, cu_k, softmax_scale, softcap, window_left, window_right, max_seqlen_q,

@@ -295,6 +295,17 @@ def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
         _check_cu_seqlens_data(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
 
 
+def check_sinks(sinks: torch.Tensor, q: torch.Tensor) -> None:
+    """Learnable sinks: a float32 tensor of shape (H,) (one logit per query head) on q's device."""
+    _require_tensor("sinks", sinks)
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks must be float32, got {sinks.dtype}")
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[-2]:
+        raise ValueError(f"sinks must have shape (H,) = ({q.shape[-2]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+
+
 def check_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
               window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,

@@ -45,6 +45,8 @@ class FwdConfig(jit.KernelConfig):
     local: bool = False
     softcap: bool = False
     varlen: bool = False
+    # Learnable sinks: an (H,) fp32 logit per query head joins each row's softmax denominator.
+    sinks: bool = False
     tiles: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
 
     kernel_name = "fwd_sm80"
@@ -61,7 +63,8 @@ class FwdConfig(jit.KernelConfig):
         return FlashFwdSm80(self)
 
     def fake_args(self) -> tuple:
-        return signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+        *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
+        return (*args, signatures.sinks_arg(self.sinks), stream)
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ class BwdPostConfig(jit.KernelConfig):
 # ---------------------------------------------------------------------------------------------
 def fwd_plan(p: Problem) -> FwdConfig:
     return FwdConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                     local=p.local, softcap=p.softcap, varlen=p.varlen)
+                     local=p.local, softcap=p.softcap, varlen=p.varlen, sinks=p.sinks)
 
 
 def bwd_plan(p: Problem) -> tuple[BwdPreConfig, BwdConfig, BwdPostConfig]:

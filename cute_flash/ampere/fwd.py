@@ -20,6 +20,7 @@ from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_frgA, transpose_smem
 from cute_flash.device.mask import AttentionMask
 from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
 
 
@@ -31,6 +32,7 @@ class FlashFwdSm80:
         self.tile_m, self.tile_n, self.num_threads, self.num_stages = cfg.tiles
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+        self.has_sinks = cfg.sinks
         self.prefetch = True
         # Packed GQA (the KV-cache kernel): tile row r is token r // pack of query head r % pack.
         self.pack = 1
@@ -63,7 +65,8 @@ class FlashFwdSm80:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, mSinks: cute.Tensor | None, stream):
+        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
@@ -71,7 +74,7 @@ class FlashFwdSm80:
         score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
-                    window_left, window_right, Storage).launch(
+                    window_left, window_right, mSinks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ class FlashFwdSm80:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-               Storage: cutlass.Constexpr):
+               mSinks: cute.Tensor | None, Storage: cutlass.Constexpr):
         # Layouts, copies and MMAs are rebuilt here: values made on the host side would live
         # outside the kernel's IR region.
         self._setup()
@@ -91,11 +94,12 @@ class FlashFwdSm80:
         # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:
             self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left,
-                             window_right, Storage, tidx, m_block, head, batch)
+                             window_right, Storage, tidx, m_block, head, batch, mSinks)
 
     @cute.jit
     def attend_tile(self, mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, score_scale, scale_log2,
-                    window_left, window_right, Storage: cutlass.Constexpr, tidx, m_block, head, batch):
+                    window_left, window_right, Storage: cutlass.Constexpr, tidx, m_block, head, batch,
+                    mSinks: cute.Tensor | None):
         # GQA/MQA: query head h reads kv head h // (H / H_kv); no K/V copies.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
@@ -154,7 +158,11 @@ class FlashFwdSm80:
         if n_block_max > n_block_min:
             self.mainloop(ctx, n_block_max, right_start, left_end)
 
-        row_scale = softmax.finalize()
+        sinks = None
+        if cutlass.const_expr(self.has_sinks):
+            sinks = row_sinks(mSinks, thr_mma, self.tile_m, self.hdim_v, head, self.pack,
+                              cute.size(softmax.row_max))
+        row_scale = softmax.finalize(sinks=sinks)
         OnlineSoftmax.rescale(acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, sQ, tidx, head, batch)
 

@@ -44,9 +44,10 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
                  mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, mKDescale: cute.Tensor | None,
                  mVDescale: cute.Tensor | None, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, num_splits: Int32, stream):
+                 window_right: Int32, num_splits: Int32, mSinks: cute.Tensor | None, stream):
         """The KV-cache signature of every family; paged: ``mK`` / ``mV`` (num_pages, page_size, H_kv,
-        d) and ``mPageTable`` (B, max_pages). The descales are None (16-bit caches only here)."""
+        d) and ``mPageTable`` (B, max_pages). The descales are None (16-bit caches only here);
+        ``mSinks`` (H,) sink logits with an unsplit config, else None."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
@@ -60,14 +61,15 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
             rows = rows * self.pack
         grid = (cute.ceil_div(rows, self.tile_m), mQ.shape[2], mQ.shape[3] * num_splits)
         self.kv_kernel(mQ, mK, mV, mO, mLSE, mSeqUsedK, mCacheBatchIdx, mLeftPad, mPageTable, score_scale,
-                       scale_log2, window_left, window_right, num_splits, Storage).launch(
+                       scale_log2, window_left, window_right, num_splits, mSinks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kv_kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                   mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None, mLeftPad: cute.Tensor | None,
                   mPageTable: cute.Tensor | None, score_scale: Float32, scale_log2: Float32,
-                  window_left: Int32, window_right: Int32, num_splits: Int32, Storage: cutlass.Constexpr):
+                  window_left: Int32, window_right: Int32, num_splits: Int32, mSinks: cute.Tensor | None,
+                  Storage: cutlass.Constexpr):
         self._setup()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch_split = cute.arch.block_idx()
@@ -84,7 +86,7 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
             seqlen.k_pool, seqlen.v_pool = mK[None, None, head_kv, None], mV[None, None, head_kv, None]
             seqlen.pages = mPageTable[batch, None]
         self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left, window_right,
-                         Storage, tidx, m_block, head, batch)
+                         Storage, tidx, m_block, head, batch, mSinks)
 
     def block_range(self, block_info, seqlen, m_block):
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)

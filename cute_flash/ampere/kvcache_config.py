@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import cutlass
 
-from cute_flash import jit
+from cute_flash import jit, signatures
 from cute_flash.ampere.config import FwdConfig
 from cute_flash.problem import Problem
 
@@ -68,13 +68,13 @@ class FwdKVCacheConfig(FwdConfig):
     def fake_args(self) -> tuple:
         """The KV-cache call signature every family shares (``hopper/kvcache_config.py``)."""
         return kvcache_fake_args(self.dtype, self.hdim, self.hdim_v, self.split, self.batch_idx, self.leftpad,
-                                 self.page_size)
+                                 self.page_size, sinks=self.sinks)
 
 
 def kvcache_fake_args(dtype: str, hdim: int, hdim_v: int, split: bool, batch_idx: bool, leftpad: bool,
-                      page_size: int, kv_dtype: str = "") -> tuple:
+                      page_size: int, kv_dtype: str = "", sinks: bool = False) -> tuple:
     """(q, k_cache, v_cache, o, lse, seqused_k, cache_batch_idx, leftpad, page_table, k_descale,
-    v_descale, softmax_scale, softcap, window_left, window_right, num_splits, stream); ``o`` /
+    v_descale, softmax_scale, softcap, window_left, window_right, num_splits, sinks, stream); ``o`` /
     ``lse`` fp32 partials (B * num_splits, ...) with ``split``; ``page_size`` > 0: a paged
     (num_pages, page_size, H_kv, d) cache and its (B, max_pages) table; ``kv_dtype`` "e4m3": an FP8
     cache with fp32 (B, H_kv) descales (else None)."""
@@ -93,15 +93,17 @@ def kvcache_fake_args(dtype: str, hdim: int, hdim_v: int, split: bool, batch_idx
     table = jit.fake_tensor(i32, (b, pages), leading_dim=1) if page_size else None
     descales = [jit.fake_tensor(f32, (b, hkv), leading_dim=1) if kv_dtype else None for _ in range(2)]
     return (q, k, v, o, lse, *per_batch, table, *descales, f32(1.0), f32(0.0), i32(-1), i32(-1), i32(1),
-            jit.fake_stream())
+            signatures.sinks_arg(sinks), jit.fake_stream())
 
 
 @dataclass(frozen=True)
 class FwdCombineConfig(jit.KernelConfig):
-    """The split merge for one output dtype and value head dim."""
+    """The split merge for one output dtype and value head dim; ``sinks``: (H,) sink logits join
+    each row's merged softmax (the splits' partials leave them out)."""
 
     dtype: str = "bf16"
     hdim_v: int = 128
+    sinks: bool = False
 
     kernel_name = "fwd_combine"
 
@@ -121,7 +123,7 @@ class FwdCombineConfig(jit.KernelConfig):
         lse_acc = jit.fake_tensor(f32, (bs, h, nq), divisibility=1)
         o = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=jit.vec_div(dt))
         lse = jit.fake_tensor(f32, (b, h, nq), divisibility=1)
-        return (o_acc, lse_acc, o, lse, cutlass.Int32(1), jit.fake_stream())
+        return (o_acc, lse_acc, o, lse, cutlass.Int32(1), signatures.sinks_arg(self.sinks), jit.fake_stream())
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,8 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0, num_
     slots = p.num_sms * (ctas_per_sm(base) if tile_m <= DECODE_TILE_M else 1)
     tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
     splits = split_count(slots, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
-    cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad, pack_gqa=pack)
-    combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if splits > 1 else None
+    cfg = replace(base, split=splits > 1, batch_idx=batch_idx, leftpad=leftpad, pack_gqa=pack,
+                  sinks=p.sinks and splits == 1)  # (split: the merge adds the sinks)
+    combine = (FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v, sinks=p.sinks) if splits > 1
+               else None)
     return KVCachePlan(cfg, splits, combine)

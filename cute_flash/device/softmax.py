@@ -149,27 +149,55 @@ class OnlineSoftmax:
         return p
 
     @cute.jit
-    def finalize(self, row_sums: cute.Tensor | None = None) -> cute.Tensor:
+    def finalize(self, row_sums: cute.Tensor | None = None, sinks: cute.Tensor | None = None) -> cute.Tensor:
         """Returns 1/rowsum per row (0 for rows that saw no key) and turns ``row_sum`` into the
         natural-log LSE (-inf for rows that saw no key). ``row_sums``: whole-row sums from the
-        caller (``sum_rows=False``), not partial per lane."""
+        caller (``sum_rows=False``), not partial per lane. ``sinks``: per row, a logit (log2 units)
+        that joins the denominator and adds no value (learnable attention sinks); the LSE then
+        includes it, so a backward that recomputes P from the LSE needs no other change."""
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             if cutlass.const_expr(row_sums is None):
                 s = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             else:
                 s = row_sums[r]
-            empty = s == Float32(0.0) or s != s
-            row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(s)
-            log2_sum = cute.math.log2(s, fastmath=True)
-            if cutlass.const_expr(self.p_log2_offset != 0.0):
-                log2_sum = log2_sum - Float32(self.p_log2_offset)
-            ref = self.row_max[r] * self.scale_log2
-            if cutlass.const_expr(self.exp_bytes):
-                ref = self.ref8(self.row_max[r]) * Float32(0.125)
-            lse = (ref + log2_sum) * LN_2
-            self.row_sum[r] = -Float32.inf if empty else lse
+            if cutlass.const_expr(sinks is not None):
+                row_scale[r] = self._finalize_with_sink(r, s, sinks[r])
+            else:
+                empty = s == Float32(0.0) or s != s
+                row_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(s)
+                log2_sum = cute.math.log2(s, fastmath=True)
+                if cutlass.const_expr(self.p_log2_offset != 0.0):
+                    log2_sum = log2_sum - Float32(self.p_log2_offset)
+                lse = (self.row_ref(r) + log2_sum) * LN_2
+                self.row_sum[r] = -Float32.inf if empty else lse
         return row_scale
+
+    @cute.jit
+    def row_ref(self, r: int) -> Float32:
+        """Row ``r``'s reference in log2 units: the exponentials were taken relative to it."""
+        ref = self.row_max[r] * self.scale_log2
+        if cutlass.const_expr(self.exp_bytes):
+            ref = self.ref8(self.row_max[r]) * Float32(0.125)
+        return ref
+
+    @cute.jit
+    def _finalize_with_sink(self, r: int, s: Float32, sink: Float32) -> Float32:
+        """``finalize`` of row ``r`` (sum ``s``) with a sink logit (log2 units) in the denominator:
+        the sum is rebased on max(reference, sink) so neither exponential overflows; returns O's
+        factor (0 for a row with no key: the sink adds no value), the LSE includes the sink."""
+        empty_row = s == Float32(0.0) or s != s
+        base = self.row_ref(r) if not empty_row else -Float32.inf
+        s = s if not empty_row else Float32(0.0)
+        top = cute.arch.fmax(base, sink)
+        o_factor = Float32(0.0)
+        if top != -Float32.inf:
+            o_factor = cute.math.exp2(base - top, fastmath=True)
+            s = s * o_factor + cute.math.exp2(sink - top + Float32(self.p_log2_offset), fastmath=True)
+        empty = s == Float32(0.0)
+        log2_sum = cute.math.log2(s, fastmath=True) - Float32(self.p_log2_offset)
+        self.row_sum[r] = -Float32.inf if empty else (top + log2_sum) * LN_2
+        return Float32(0.0) if empty else o_factor * cute.arch.rcp_approx(s)
 
     @staticmethod
     @cute.jit

@@ -38,6 +38,7 @@ from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
 from cute_flash.device.mask import AttentionMask
 from cute_flash.device.seqlen import SeqlenInfo
+from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
 from cute_flash.device.tile_scheduler import TileScheduler
 
@@ -92,6 +93,7 @@ class FlashFwdSm90:
         self.num_threads = self.num_mma_threads + 128
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
+        self.has_sinks = cfg.sinks
         # Packed GQA: the ``pack`` query heads sharing a KV head fill the M tile together
         # (decode: one token x ``pack`` heads per row group instead of 1 useful row in 128).
         self.pack = cfg.pack_gqa
@@ -231,7 +233,7 @@ class FlashFwdSm90:
     @cute.jit
     def finalize_rows(self, ctx):
         """1 / row sum per row (and the LSE into the softmax's state)."""
-        return ctx.softmax.finalize()
+        return ctx.softmax.finalize(sinks=ctx.sinks)
 
     def tile_scales(self, ctx, extra: tuple, mQ, mK, head, batch) -> None:
         """Per-tile score scale (the FP8 descales); nothing for 16-bit inputs."""
@@ -254,15 +256,17 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, stream):
+                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, mSinks: cute.Tensor | None, stream):
+        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None."""
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
-                     window_right, max_seqlen_q, mTileCounter, (), stream)
+                     window_right, max_seqlen_q, mTileCounter, (), stream, mSinks)
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                max_seqlen_q: Int32, mTileCounter: cute.Tensor, extra: tuple, stream):
+                max_seqlen_q: Int32, mTileCounter: cute.Tensor, extra: tuple, stream,
+                mSinks: cute.Tensor | None = None):
         """``extra``: tensors a subclass's hooks read in the kernel (the FP8 descales)."""
         self._setup()
         Storage = self._storage()
@@ -305,7 +309,7 @@ class FlashFwdSm90:
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(), mTileCounter,
-                    extra, Storage).launch(
+                    extra, mSinks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
 
@@ -329,7 +333,8 @@ class FlashFwdSm90:
                tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
                tma_O: cute.CopyAtom | None, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
-               mTileCounter: cute.Tensor, extra: tuple, Storage: cutlass.Constexpr):
+               mTileCounter: cute.Tensor, extra: tuple, mSinks: cute.Tensor | None,
+               Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -358,7 +363,8 @@ class FlashFwdSm90:
         smem = warp_mma.Ctx(sQ=sQ, sK=sK, sV=sV, sO=sO, storage=storage)
         geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                            window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
-                           next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra)
+                           next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra,
+                           mSinks=mSinks)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -594,6 +600,10 @@ class FlashFwdSm90:
             # while this one's epilogue runs.
             pipe_q.consumer_release(q_state)
 
+        ctx.sinks = None
+        if cutlass.const_expr(self.has_sinks):
+            ctx.sinks = row_sinks(geo.mSinks, ctx.thr_pv, self.tile_m, self.hdim_v, head, self.pack,
+                                  cute.size(ctx.softmax.row_max))
         row_scale = self.output_scale(ctx, self.finalize_rows(ctx))
         OnlineSoftmax.rescale(ctx.acc_O, row_scale)
         self.epilogue(ctx, mO, mLSE, tma_O, smem.sO, ctx.tidx, head, batch)

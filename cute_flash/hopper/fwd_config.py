@@ -78,6 +78,8 @@ class FwdSm90Config(jit.KernelConfig):
     local: bool = False
     softcap: bool = False
     varlen: bool = False
+    # Learnable sinks: an (H,) fp32 logit per query head joins each row's softmax denominator.
+    sinks: bool = False
     tile_m: int = 0
     tile_n: int = 0
     num_mma_wg: int = 0
@@ -152,7 +154,8 @@ class FwdSm90Config(jit.KernelConfig):
     def fake_args(self) -> tuple:
         """The shared forward arguments plus ``tile_counter`` (int32, 1 element) before the stream."""
         *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
-        return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), stream)
+        return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), signatures.sinks_arg(self.sinks),
+                stream)
 
 
 def plan(p: Problem) -> FwdSm90Config:
@@ -160,7 +163,7 @@ def plan(p: Problem) -> FwdSm90Config:
     grid where it measured faster (``SM90_PERSISTENT_*``). Sliding windows and varlen keep one CTA
     per tile."""
     base = dict(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
-                softcap=p.softcap, varlen=p.varlen)
+                softcap=p.softcap, varlen=p.varlen, sinks=p.sinks)
     if p.varlen or not p.extents_known:
         return FwdSm90Config(**base)
     return FwdSm90Config(**base, **launch_fields(p))

@@ -210,7 +210,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     @cute.jit
     def finalize_rows(self, ctx):
         if cutlass.const_expr(not self.cfg.sum_mma):
-            return ctx.softmax.finalize()
+            return ctx.softmax.finalize(sinks=ctx.sinks)
         # The last block's sum (its P V has completed); each thread holds whole row sums (the
         # MMA summed over every key): no quad reduction.
         sums = acc_to_mn(ctx.acc_L)
@@ -220,7 +220,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # For the next tile (the early rescale folds acc_L before its first P V).
         ctx.acc_L.fill(0.0)
         ctx.sum_L.fill(0.0)
-        return ctx.softmax.finalize(row_sum)
+        return ctx.softmax.finalize(row_sum, sinks=ctx.sinks)
 
     # Operand hooks -------------------------------------------------------------------------------
     def v_source(self, mV: cute.Tensor) -> cute.Tensor:

@@ -48,15 +48,16 @@ class FlashFwdSm90KVCache(FlashFwdSm90):
                  mLSE: cute.Tensor, mSeqUsedK: cute.Tensor, mCacheBatchIdx: cute.Tensor | None,
                  mLeftPad: cute.Tensor | None, mPageTable: cute.Tensor | None, mKDescale: cute.Tensor | None,
                  mVDescale: cute.Tensor | None, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, num_splits: Int32, stream):
+                 window_right: Int32, num_splits: Int32, mSinks: cute.Tensor | None, stream):
         """``mO`` / ``mLSE``: (B, N, H, d_v) / (B, H, N) in the output dtype, or with ``split`` the
         fp32 partials (B * num_splits, N, H, d_v) / (B * num_splits, H, N), batch-major. Paged:
         ``mK`` / ``mV`` (num_pages, page_size, H_kv, d) and ``mPageTable`` (B, max_pages). An e4m3
-        cache comes with fp32 (B, H_kv) descales (else None)."""
+        cache comes with fp32 (B, H_kv) descales (else None). ``mSinks``: (H,) sink logits (unsplit
+        only; split, the merge adds them), or None."""
         extra = (mSeqUsedK, mCacheBatchIdx, mLeftPad, num_splits, mPageTable, mKDescale, mVDescale)
         # (The tile counter is never read: the grid is one CTA per tile.)
         self._launch(mQ, mK, mV, mO, mLSE, None, None, softmax_scale, softcap, window_left, window_right,
-                     Int32(0), mSeqUsedK, extra, stream)
+                     Int32(0), mSeqUsedK, extra, stream, mSinks)
 
     def k_box(self) -> tuple:
         return (self.page_box, self.hdim)

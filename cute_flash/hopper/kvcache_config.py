@@ -103,7 +103,7 @@ class FwdSm90KVCacheConfig(FwdSm90Config):
     def fake_args(self) -> tuple:
         """The KV-cache call signature every family shares (``ampere/kvcache_config.py``)."""
         return kvcache_fake_args(self.dtype, self.hdim, self.hdim_v, self.split, self.batch_idx, self.leftpad,
-                                 self.page_size, self.kv_dtype)
+                                 self.page_size, self.kv_dtype, self.sinks)
 
 
 
@@ -122,8 +122,12 @@ def plan(p: Problem, *, batch_idx: bool, leftpad: bool, page_size: int = 0, num_
     tiles = p.batch * (p.heads_q // pack) * -(-p.max_seqlen_q * pack // tile_m)
     num_splits = split_count(p.num_sms, tiles, max(1, -(-p.max_seqlen_k // tile_n)), num_splits, p.batch)
     split = num_splits > 1
+    # (Split, the sinks join in the merge: each split's partial LSE must not count them.)
     cfg = FwdSm90KVCacheConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
                                local=p.local, softcap=p.softcap, pack_gqa=pack, split=split,
-                               batch_idx=batch_idx, leftpad=leftpad, page_size=page_size, kv_dtype=kv_dtype)
-    combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v) if split else None
+                               batch_idx=batch_idx, leftpad=leftpad, page_size=page_size, kv_dtype=kv_dtype,
+                               sinks=p.sinks and not split)
+    combine = None
+    if split:
+        combine = FwdCombineConfig(target=p.target, dtype=p.dtype, hdim_v=p.hdim_v, sinks=p.sinks)
     return KVCachePlan(cfg, num_splits, combine)

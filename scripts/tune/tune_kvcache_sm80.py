@@ -62,10 +62,10 @@ def run_candidate(tiles, splits, q, k_cache, v_cache, lens, table, out, lse):
 
     def call():
         if merge is None:
-            fn(q, k_cache, v_cache, out, lse, lens, None, None, table, None, None, *scalars)
+            fn(q, k_cache, v_cache, out, lse, lens, None, None, table, None, None, *scalars, None)
         else:
-            fn(q, k_cache, v_cache, o_acc, lse_acc, lens, None, None, table, None, None, *scalars)
-            merge(o_acc, lse_acc, out, lse, s)
+            fn(q, k_cache, v_cache, o_acc, lse_acc, lens, None, None, table, None, None, *scalars, None)
+            merge(o_acc, lse_acc, out, lse, s, None)
     return call, plan
 
 

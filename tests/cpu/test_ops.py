@@ -389,7 +389,7 @@ def test_cuda_forward_hands_the_launcher_preallocated_outputs(fake_launchers):
     assert out.shape == (2, 9, 8, 128) and out.dtype == BF16 and out.is_contiguous()
     assert lse.shape == (2, 8, 9) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert kw == dict(softmax_scale=0.1, causal=True, window_size=(5, 3), softcap=2.0, cu_seqlens_q=None,
-                      cu_seqlens_k=None, max_seqlen_q=None)
+                      cu_seqlens_k=None, max_seqlen_q=None, sinks=None)
 
 
 def test_cuda_backward_hands_the_launcher_gradients_shaped_like_inputs(fake_launchers):

@@ -155,4 +155,5 @@ def test_call_signature_is_sm80_plus_a_tile_counter() -> None:
 
     a = FwdSm90Config(target="sm_90a").fake_args()
     b = FwdConfig(target="sm_90a").fake_args()
-    assert len(b) == 13 and len(a) == 14  # ... max_seqlen_q, [tile_counter,] stream
+    assert len(b) == 14 and len(a) == 15  # ... max_seqlen_q, [tile_counter,] sinks, stream
+    assert a[-2] is None and b[-2] is None  # (no sinks: nothing compiled for them)

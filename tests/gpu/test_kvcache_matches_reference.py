@@ -220,7 +220,7 @@ def test_the_merge_kernel_matches_the_merge_formula(seed: int, dtype: torch.dtyp
     out = torch.full((b, nq, h, hdim_v), float("nan"), dtype=dtype, device="cuda")
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     merge = jit.compile_kernel(FwdCombineConfig(target=None, dtype=formats.dtype_name(dtype), hdim_v=hdim_v))
-    merge(o_acc, lse_acc, out, lse, splits)
+    merge(o_acc, lse_acc, out, lse, splits, None)
     parts = o_acc.reshape(b, splits, nq, h, hdim_v).transpose(0, 1).double()
     lse_parts = lse_acc.reshape(b, splits, h, nq).transpose(0, 1).transpose(2, 3).double()
     want, want_lse = merge_splits_ref(parts, lse_parts)

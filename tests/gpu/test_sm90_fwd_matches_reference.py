@@ -69,7 +69,7 @@ def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool | int) -> None:
                         softcap=softcap > 0, varlen=varlen, pingpong=pingpong, pack_gqa=pack, **extra)
     fn = jit.compile_kernel(cfg)
     mq = max(lq) if varlen else Nq
-    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq, tile_counter(cfg, q.device))
+    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq, tile_counter(cfg, q.device), None)
     torch.cuda.synchronize()
     kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
