@@ -26,6 +26,10 @@ ARCHS = ("sm_80", "sm_90a")
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # Tables a kernel reads in any float dtype (rotary cos / sin).
 FLOAT_DTYPES = {**DTYPES, "fp32": cutlass.Float32}
+# Aux tensors a score / mask mod may read (kernel arguments of their own, None when unused), and
+# their element types.
+MAX_AUX = 4
+AUX_DTYPES = {**FLOAT_DTYPES, "int32": cutlass.Int32, "int64": cutlass.Int64, "bool": cutlass.Boolean}
 
 
 def arch_from_capability(major: int, minor: int) -> str:

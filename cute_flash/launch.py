@@ -6,6 +6,7 @@ kernel shares one call signature, every backward its pre / main / post signature
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -92,9 +93,9 @@ _FWD_KERNELS = HostMemo(512)
 
 
 def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, softcap: float,
-                varlen: bool, sinks: bool = False) -> tuple[jit.KernelConfig, object]:
+                varlen: bool, sinks: bool = False, mods: object = None) -> tuple[jit.KernelConfig, object]:
     key = (family, q.dtype, tuple(q.shape), q.stride(), tuple(v.shape), v.stride(), q.device,
-           causal, local, softcap > 0.0, varlen, sinks)
+           causal, local, softcap > 0.0, varlen, sinks, mods)
     hit = _FWD_KERNELS.get(key)
     if hit is None:
         # (CPU tensors faking a launch in tests: planned without extents.)
@@ -106,6 +107,8 @@ def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, so
                                  heads_q=q.shape[-2], heads_kv=v.shape[-2],
                                  num_sms=sm_count(q.device) if dense_cuda else 132,
                                  q_dense=dense_cuda and dense_bnhd(q), sinks=sinks)
+        if mods is not None:
+            p = dataclasses.replace(p, mods=mods)
         cfg = dispatch.fwd_config(p, family)
         hit = (cfg, jit.compile_kernel(cfg))
         _FWD_KERNELS.put(key, hit)
@@ -115,9 +118,11 @@ def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, so
 def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float,
             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
             cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
-            max_seqlen_q: int | None = None, family: str | None = None, sinks: Tensor | None = None) -> None:
+            max_seqlen_q: int | None = None, family: str | None = None, sinks: Tensor | None = None,
+            mods: object = None, aux: tuple[Tensor, ...] = ()) -> None:
     """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place. ``sinks``:
-    (H,) fp32 sink logits (validated), or None.
+    (H,) fp32 sink logits (validated), or None; ``mods``: a score_mod / mask_mod (``device/mods.py``:
+    Mods, whose ``aux`` types ``aux`` has).
 
     q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
     lse (B, H, Nq) | (H, Tq) float32. ``family``: ``sm80`` / ``sm90``, None = ``dispatch.fwd_family``.
@@ -131,13 +136,14 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
                    else t for t in (q, k, v))
     causal, local, left, right = normalize_window(causal, window_size)
     varlen = cu_seqlens_q is not None
-    cfg, fn = _fwd_kernel(q, v, family, causal, local, softcap, varlen, sinks is not None)
+    cfg, fn = _fwd_kernel(q, v, family, causal, local, softcap, varlen, sinks is not None, mods)
     mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q.shape[1]
     extra = (tile_counter(cfg, q.device),) if family == "sm90" else ()
     if sinks is not None:
         sinks = sinks.contiguous()
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
-       float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra, sinks)
+       float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra, sinks, *aux,
+       *([None] * (jit.MAX_AUX - len(aux))))
 
 
 # ---------------------------------------------------------------------------------------------

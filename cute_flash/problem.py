@@ -22,6 +22,7 @@ class Problem:
     softcap: bool = False
     varlen: bool = False
     sinks: bool = False  # (H,) learnable sink logits join the forward's softmax
+    mods: object = None  # a score_mod / mask_mod (``device/mods.py``: Mods), or None
     deterministic: bool = False
     dlse: bool = False  # the backward also gets the LSE output's gradient
     # Run-time extents (None: compile-only).

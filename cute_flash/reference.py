@@ -95,14 +95,15 @@ def query_block_rows(batch: int, heads: int, nk: int, compute_dtype: torch.dtype
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
                      window_size: tuple[int, int], softcap: float, compute_dtype: torch.dtype,
-                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     sinks: torch.Tensor | None = None,
+                     mods: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, Nq, H, d) attention; returns out (B, Nq, H, dv) in compute_dtype, lse (B, H, Nq)."""
     b, nq, h = q.shape[0], q.shape[1], q.shape[2]
     kc = _expand_kv_heads(k.to(compute_dtype), h)
     vc = _expand_kv_heads(v.to(compute_dtype), h)
     step = query_block_rows(b, h, k.shape[1], compute_dtype)
     kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=softcap,
-              compute_dtype=compute_dtype, sinks=sinks)
+              compute_dtype=compute_dtype, sinks=sinks, mods=mods)
     if nq <= step:
         return _dense_block(q.to(compute_dtype), kc, vc, nq, (0, nq), **kw)
     blocks = [_dense_block(q[:, i:i + step].to(compute_dtype), kc, vc, nq, (i, min(i + step, nq)), **kw)
@@ -112,15 +113,27 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
 def _dense_block(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nq: int, rows: tuple[int, int], *,
                  scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
-                 compute_dtype: torch.dtype,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 compute_dtype: torch.dtype, sinks: torch.Tensor | None = None,
+                 mods: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows ``rows`` of an Nq-row problem (qc holds just those rows, kc / vc every key);
-    ``sinks`` (H,): a logit per head that joins every row's softmax and adds no value."""
+    ``sinks`` (H,): a logit per head that joins every row's softmax and adds no value; ``mods``:
+    (score_mod, mask_mod, aux, first batch index) in torch form (``attention_ref``)."""
     nk = kc.shape[1]
     s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
     if softcap > 0.0:
         s = softcap * torch.tanh(s / softcap)
     mask = visible_mask(nq, nk, causal=causal, window_size=window_size, device=qc.device, rows=rows)
+    if mods is not None:
+        score_mod, mask_mod, aux, b0 = mods
+        dev = qc.device
+        idx = (torch.arange(b0, b0 + s.shape[0], device=dev).view(-1, 1, 1, 1),
+               torch.arange(s.shape[1], device=dev).view(1, -1, 1, 1),
+               torch.arange(rows[0], rows[1], device=dev).view(1, 1, -1, 1),
+               torch.arange(nk, device=dev).view(1, 1, 1, -1))
+        if score_mod is not None:
+            s = score_mod(s, *idx, aux).to(s.dtype)  # (fp32 aux tensors would promote bf16 math)
+        if mask_mod is not None:
+            mask = mask & mask_mod(*idx, aux)
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         col = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
@@ -139,8 +152,8 @@ def _dense_block(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, nq: int, 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
                   causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                  upcast: bool = True,
-                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  upcast: bool = True, sinks: torch.Tensor | None = None, score_mod=None, mask_mod=None,
+                  aux: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention; differentiable with torch autograd (``sinks`` included).
 
     q (B, Nq, H, d), k (B, Nk, Hkv, d), v (B, Nk, Hkv, dv); or packed q (Tq, H, d),
@@ -151,13 +164,17 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_
     in that compute dtype (cast it yourself), ``lse`` as float32 (float64 for fp64 inputs),
     shaped (B, H, Nq) or (H, Tq). ``sinks`` (H,): learnable sink logits, one per query head, that
     join each row's softmax denominator and contribute no value (the LSE includes them).
+    ``score_mod(score, b, h, q_idx, kv_idx, aux)`` / ``mask_mod(b, h, q_idx, kv_idx, aux)``: the torch
+    form of a kernel's mods (FlexAttention's: broadcast index tensors, (B, H, Nq, Nk) scores),
+    applied to the scaled scores before the masks.
     """
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     cdt = _compute_dtype(q.dtype, upcast)
     kw = dict(scale=scale, causal=causal, window_size=window_size, softcap=float(softcap), compute_dtype=cdt,
               sinks=sinks)
+    has_mods = score_mod is not None or mask_mod is not None
     if cu_seqlens_q is None and cu_seqlens_k is None:
-        return _dense_attention(q, k, v, **kw)
+        return _dense_attention(q, k, v, **kw, mods=(score_mod, mask_mod, aux, 0) if has_mods else None)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k")
     # One dense problem per sequence: slow but obviously right, which is what a reference is for.
@@ -166,7 +183,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_
     for b in range(len(bq) - 1):
         qb = q[bq[b]:bq[b + 1]].unsqueeze(0)
         kb, vb = k[bk[b]:bk[b + 1]].unsqueeze(0), v[bk[b]:bk[b + 1]].unsqueeze(0)
-        ob, lb = _dense_attention(qb, kb, vb, **kw)
+        ob, lb = _dense_attention(qb, kb, vb, **kw, mods=(score_mod, mask_mod, aux, b) if has_mods else None)
         outs.append(ob[0])
         lses.append(lb[0])
     if not outs:  # zero sequences

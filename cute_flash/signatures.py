@@ -16,6 +16,15 @@ def scalar_args() -> tuple:
     return f32(1.0), f32(0.0), i32(-1), i32(-1), i32(0)
 
 
+def aux_args(mods) -> tuple:
+    """The forward's ``MAX_AUX`` aux tensor arguments of ``mods`` (``device/mods.py``): a fake
+    tensor of each declared (dtype, rank), None for the rest."""
+    specs = () if mods is None else mods.aux
+    fakes = [jit.fake_tensor(jit.AUX_DTYPES[dt], tuple(jit.sym() for _ in range(rank)), leading_dim=rank - 1)
+             for dt, rank in specs]
+    return (*fakes, *([None] * (jit.MAX_AUX - len(fakes))))
+
+
 def sinks_arg(sinks: bool):
     """The forward's (H,) fp32 sink logits, or None (the kernels then compile without them)."""
     return jit.fake_tensor(cutlass.Float32, (jit.sym(),), leading_dim=0) if sinks else None

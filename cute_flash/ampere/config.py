@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import cutlass
 
 from cute_flash import jit, signatures
+from cute_flash.device.mods import Mods
 from cute_flash.problem import Problem
 
 # (tile_m, tile_n, num_threads, num_stages) of the forward per max(hdim, hdim_v): the fastest
@@ -25,6 +26,7 @@ SM80_FWD_TILES: dict[int, tuple[int, int, int, int]] = {
     192: (64, 64, 128, 1),
     256: (64, 64, 128, 1),
 }
+SM80_MODS_TILE_N = 64  # K / V block with a score_mod / mask_mod
 # Sliding windows and softcap add ~20 live registers (two row limits, tanh scale); where that tips
 # the default tile into spilling, these variants take a narrower K/V block.
 SM80_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int]] = {
@@ -47,6 +49,8 @@ class FwdConfig(jit.KernelConfig):
     varlen: bool = False
     # Learnable sinks: an (H,) fp32 logit per query head joins each row's softmax denominator.
     sinks: bool = False
+    # A user's score_mod / mask_mod and its aux tensors' types (``device/mods.py``).
+    mods: Mods | None = None
     tiles: tuple[int, int, int, int] = field(default=(0, 0, 0, 0))
 
     kernel_name = "fwd_sm80"
@@ -55,7 +59,11 @@ class FwdConfig(jit.KernelConfig):
         if self.tiles == (0, 0, 0, 0):
             d = max(self.hdim, self.hdim_v)
             table = SM80_FWD_TILES_MASKED if (self.local or self.softcap) else SM80_FWD_TILES
-            object.__setattr__(self, "tiles", table.get(d, SM80_FWD_TILES[d]))
+            tiles = table.get(d, SM80_FWD_TILES[d])
+            if self.mods is not None:
+                # A mod's per-key values need registers the widest S blocks use (tests/cpu/test_mods.py).
+                tiles = (tiles[0], min(tiles[1], SM80_MODS_TILE_N), *tiles[2:])
+            object.__setattr__(self, "tiles", tiles)
 
     def build(self):
         from cute_flash.ampere.fwd import FlashFwdSm80
@@ -64,7 +72,7 @@ class FwdConfig(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
-        return (*args, signatures.sinks_arg(self.sinks), stream)
+        return (*args, signatures.sinks_arg(self.sinks), *signatures.aux_args(self.mods), stream)
 
 
 @dataclass(frozen=True)
@@ -241,7 +249,7 @@ class BwdPostConfig(jit.KernelConfig):
 # ---------------------------------------------------------------------------------------------
 def fwd_plan(p: Problem) -> FwdConfig:
     return FwdConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                     local=p.local, softcap=p.softcap, varlen=p.varlen, sinks=p.sinks)
+                     local=p.local, softcap=p.softcap, varlen=p.varlen, sinks=p.sinks, mods=p.mods)
 
 
 def bwd_plan(p: Problem) -> tuple[BwdPreConfig, BwdConfig, BwdPostConfig]:

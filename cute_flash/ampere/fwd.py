@@ -19,6 +19,7 @@ from cute_flash.device import warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_frgA, transpose_smem
 from cute_flash.device.mask import AttentionMask
+from cute_flash.device.mods import apply_mods
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -33,6 +34,7 @@ class FlashFwdSm80:
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.has_sinks = cfg.sinks
+        self.mods = cfg.mods
         self.prefetch = True
         # Packed GQA (the KV-cache kernel): tile row r is token r // pack of query head r % pack.
         self.pack = 1
@@ -65,16 +67,20 @@ class FlashFwdSm80:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, mSinks: cute.Tensor | None, stream):
-        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None."""
+                 max_seqlen_q: Int32, mSinks: cute.Tensor | None, mAux0: cute.Tensor | None,
+                 mAux1: cute.Tensor | None, mAux2: cute.Tensor | None, mAux3: cute.Tensor | None, stream):
+        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None; ``mAux*``: the mods'
+        aux tensors (``device/mods.py``), None past the last."""
+        aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mO, mLSE = warp_mma.forward_views(mQ, mK, mV, mO, mLSE)
         num_batch, seqlen_q = warp_mma.grid_rows(mQ, mCuSeqlensQ, max_seqlen_q)
-        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap,
+                                               self.mods is not None and self.mods.score_mod is not None)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
-                    window_left, window_right, mSinks, Storage).launch(
+                    window_left, window_right, mSinks, aux, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -84,7 +90,7 @@ class FlashFwdSm80:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-               mSinks: cute.Tensor | None, Storage: cutlass.Constexpr):
+               mSinks: cute.Tensor | None, aux: tuple, Storage: cutlass.Constexpr):
         # Layouts, copies and MMAs are rebuilt here: values made on the host side would live
         # outside the kernel's IR region.
         self._setup()
@@ -94,12 +100,12 @@ class FlashFwdSm80:
         # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:
             self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left,
-                             window_right, Storage, tidx, m_block, head, batch, mSinks)
+                             window_right, Storage, tidx, m_block, head, batch, mSinks, aux)
 
     @cute.jit
     def attend_tile(self, mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, score_scale, scale_log2,
                     window_left, window_right, Storage: cutlass.Constexpr, tidx, m_block, head, batch,
-                    mSinks: cute.Tensor | None):
+                    mSinks: cute.Tensor | None, aux: tuple):
         # GQA/MQA: query head h reads kv head h // (H / H_kv); no K/V copies.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
@@ -144,7 +150,8 @@ class FlashFwdSm80:
             thr_mma=thr_mma, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, s2r_Q=s2r_Q, s2r_K=s2r_K,
             s2r_V=s2r_V, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
             tKcK=tKcK, tVcV=tVcV, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block,
-            n_block_min=n_block_min, n_block_last=n_block_max - 1, score_scale=score_scale)
+            n_block_min=n_block_min, n_block_last=n_block_max - 1, score_scale=score_scale, head=head,
+            batch=batch, aux=aux)
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
         warp_mma.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
@@ -235,6 +242,10 @@ class FlashFwdSm80:
 
         warp_mma.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
                          ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
+        if cutlass.const_expr(self.mods is not None):
+            apply_mods(self.mods, acc_S, ctx.thr_mma, self.tile_m, self.tile_n, ctx.m_block, n_block,
+                       ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
+                       ctx.score_scale)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)

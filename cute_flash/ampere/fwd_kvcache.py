@@ -86,7 +86,7 @@ class FlashFwdSm80KVCache(FlashFwdSm80):
             seqlen.k_pool, seqlen.v_pool = mK[None, None, head_kv, None], mV[None, None, head_kv, None]
             seqlen.pages = mPageTable[batch, None]
         self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left, window_right,
-                         Storage, tidx, m_block, head, batch, mSinks)
+                         Storage, tidx, m_block, head, batch, mSinks, ())
 
     def block_range(self, block_info, seqlen, m_block):
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)

@@ -19,11 +19,14 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
+def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool, has_score_mod: bool = False):
     """(score_scale, scale_log2) shared by forward and backward. Without softcap the raw scores
     go straight to exp2 with scale*log2(e) folded in (score_scale = 1). With softcap, scores become
     softcap*tanh(s*scale/softcap): the tanh input is pre-scaled by scale/softcap and softcap*log2(e)
-    plays the softmax scale's role afterwards."""
+    plays the softmax scale's role afterwards. A score_mod sees scaled scores (score_scale = scale)
+    and returns final ones (log2(e) afterwards)."""
+    if cutlass.const_expr(has_score_mod):
+        return softmax_scale, Float32(LOG2_E)
     if cutlass.const_expr(has_softcap):
         return softmax_scale / softcap, softcap * Float32(LOG2_E)
     return Float32(1.0), softmax_scale * Float32(LOG2_E)

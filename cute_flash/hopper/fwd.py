@@ -37,6 +37,7 @@ from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
 from cute_flash.device.mask import AttentionMask
+from cute_flash.device.mods import apply_mods
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -94,6 +95,7 @@ class FlashFwdSm90:
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.has_sinks = cfg.sinks
+        self.mods = cfg.mods
         # Packed GQA: the ``pack`` query heads sharing a KV head fill the M tile together
         # (decode: one token x ``pack`` heads per row group instead of 1 useful row in 128).
         self.pack = cfg.pack_gqa
@@ -256,17 +258,21 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
-                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, mSinks: cute.Tensor | None, stream):
-        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None."""
+                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, mSinks: cute.Tensor | None,
+                 mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
+                 mAux3: cute.Tensor | None, stream):
+        """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None; ``mAux*``: the mods'
+        aux tensors (``device/mods.py``), None past the last."""
+        aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
-                     window_right, max_seqlen_q, mTileCounter, (), stream, mSinks)
+                     window_right, max_seqlen_q, mTileCounter, (), stream, mSinks, aux)
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, extra: tuple, stream,
-                mSinks: cute.Tensor | None = None):
+                mSinks: cute.Tensor | None = None, aux: tuple = ()):
         """``extra``: tensors a subclass's hooks read in the kernel (the FP8 descales)."""
         self._setup()
         Storage = self._storage()
@@ -299,7 +305,8 @@ class FlashFwdSm90:
         else:
             tma_O, mO_out = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                         self.sO_layout, (self.tile_m, self.hdim_v))
-        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap,
+                                               self.mods is not None and self.mods.score_mod is not None)
         # Packed GQA: a grid row per KV head, ``pack`` times as many query rows.
         sched = TileScheduler.create(cute.ceil_div(seqlen_q * self.pack, self.tile_m),
                                      num_head_q // self.pack, self.grid_batches(num_batch, extra),
@@ -309,7 +316,7 @@ class FlashFwdSm90:
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(), mTileCounter,
-                    extra, mSinks, Storage).launch(
+                    extra, mSinks, aux, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
 
@@ -333,7 +340,7 @@ class FlashFwdSm90:
                tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
                tma_O: cute.CopyAtom | None, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
-               mTileCounter: cute.Tensor, extra: tuple, mSinks: cute.Tensor | None,
+               mTileCounter: cute.Tensor, extra: tuple, mSinks: cute.Tensor | None, aux: tuple,
                Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -364,7 +371,7 @@ class FlashFwdSm90:
         geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                            window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
                            next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra,
-                           mSinks=mSinks)
+                           mSinks=mSinks, aux=aux)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -586,6 +593,7 @@ class FlashFwdSm90:
                 head, batch, n_block_min, n_block_max, q_state, kv_state):
         """One tile: wait for Q, the K/V blocks, the epilogue, Q's buffer back to the producer."""
         ctx.seqlen, ctx.m_block, ctx.n_block_min = seqlen, m_block, n_block_min
+        ctx.head, ctx.batch, ctx.aux = head, batch, geo.aux
         ctx.mask = AttentionMask(self.tile_m, self.tile_n, seqlen, geo.window_left, geo.window_right,
                                  pack=self.pack)
         ctx.acc_O.fill(0.0)
@@ -665,7 +673,11 @@ class FlashFwdSm90:
     def scores(self, ctx, acc_S, n_block: Int32, is_first: cutlass.Constexpr[bool],
                partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool]):
-        """Softcap, mask and online softmax of one S block; returns the O rescale factors."""
+        """Mods, softcap, mask and online softmax of one S block; returns the O rescale factors."""
+        if cutlass.const_expr(self.mods is not None):
+            apply_mods(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
+                       ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
+                       ctx.score_scale)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import cutlass
 
 from cute_flash import jit, signatures
+from cute_flash.device.mods import Mods
 from cute_flash.problem import Problem
 
 # Per head dim: (tile_m, tile_n, stages, consumer warpgroups, ping-pong). tile_m is 64 rows per
@@ -25,6 +26,9 @@ SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool]] = {
     192: (128, 96, 2, 2, True),
     256: (128, 80, 2, 2, True),
 }
+# K / V block of the variants with a score_mod / mask_mod: the widest that compiles every built-in
+# spill-free at d 128 (tests/cpu/test_mods.py).
+SM90_MODS_TILE_N = 96
 # Causal / sliding-window variants where they differ: ping-pong measured no faster there.
 SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool]] = {
     160: (128, 96, 2, 2, False),
@@ -80,6 +84,8 @@ class FwdSm90Config(jit.KernelConfig):
     varlen: bool = False
     # Learnable sinks: an (H,) fp32 logit per query head joins each row's softmax denominator.
     sinks: bool = False
+    # A user's score_mod / mask_mod and its aux tensors' types (``device/mods.py``).
+    mods: Mods | None = None
     tile_m: int = 0
     tile_n: int = 0
     num_mma_wg: int = 0
@@ -114,6 +120,9 @@ class FwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 forward: unsupported head dim {d}")
         defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong"),
                             sm90_tile(d, self.causal or self.local), strict=True))
+        if self.mods is not None:
+            # A mod's per-key values (positions, aux reads) need registers the 128-key S block uses.
+            defaults["tile_n"] = min(defaults["tile_n"], SM90_MODS_TILE_N)
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
@@ -155,7 +164,7 @@ class FwdSm90Config(jit.KernelConfig):
         """The shared forward arguments plus ``tile_counter`` (int32, 1 element) before the stream."""
         *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
         return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), signatures.sinks_arg(self.sinks),
-                stream)
+                *signatures.aux_args(self.mods), stream)
 
 
 def plan(p: Problem) -> FwdSm90Config:
@@ -163,7 +172,7 @@ def plan(p: Problem) -> FwdSm90Config:
     grid where it measured faster (``SM90_PERSISTENT_*``). Sliding windows and varlen keep one CTA
     per tile."""
     base = dict(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
-                softcap=p.softcap, varlen=p.varlen, sinks=p.sinks)
+                softcap=p.softcap, varlen=p.varlen, sinks=p.sinks, mods=p.mods)
     if p.varlen or not p.extents_known:
         return FwdSm90Config(**base)
     return FwdSm90Config(**base, **launch_fields(p))
