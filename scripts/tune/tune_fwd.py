@@ -48,7 +48,7 @@ def main() -> None:
                 except Exception as e:  # a candidate that doesn't compile is just skipped
                     print(f"  {tiles}: compile failed {e!r:.200}")
                     continue
-                args = (q, k, v, out, lse, None, None, 1.0 / math.sqrt(d), 0.0, -1, -1, N, None)
+                args = (q, k, v, out, lse, None, None, 1.0 / math.sqrt(d), 0.0, -1, -1, N, *[None] * 5)
                 ms = triton.testing.do_bench(lambda fn=fn, args=args: fn(*args), return_mode="median")
                 tf = flops / ms / 1e9
                 print(f"  {tiles}: {tf:.0f} TFLOP/s ({tf / sdpa:.2f}x)", flush=True)

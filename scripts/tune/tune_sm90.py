@@ -98,14 +98,14 @@ def main() -> None:
                         out = torch.full_like(q, float("nan"))
                         lse = torch.empty(b, h, n, device="cuda", dtype=torch.float32)
                         call = (q, k, v, out, lse, None, None, 1.0 / math.sqrt(d), 0.0, -1, -1, n)
-                        kern(*call, launch.tile_counter(cfg, q.device), None)
+                        kern(*call, launch.tile_counter(cfg, q.device), *[None] * 5)
                         torch.cuda.synchronize()
                         err = float((out.float() - ref).norm() / ref.norm())
                         if not err < 2e-2:
                             print(f"  {tag}: WRONG rel-L2 {err:.3g}", flush=True)
                             continue
                         cands.append((tag, lambda kern=kern, call=call, cfg=cfg, dev=q.device:
-                                      kern(*call, launch.tile_counter(cfg, dev), None)))
+                                      kern(*call, launch.tile_counter(cfg, dev), *[None] * 5)))
                 # Clocks drift by a few percent within a run (power and heat): time every
                 # candidate in ``rounds`` interleaved passes, rotating the order so no candidate
                 # always runs first or last, and report each one's best and every pass.

@@ -19,6 +19,8 @@ from attention_checks import needs_hopper
 
 pytestmark = [pytest.mark.gpu, needs_hopper]
 
+NO_SINKS_NO_AUX = (None,) * 5  # the call's sinks and aux tensors (device/sinks.py, device/mods.py)
+
 GPU_CASES = [
     # (B, Nq, Nk, H, Hkv, d, causal, window, softcap, varlen, pingpong); None = the tuned default of
     # that head dim.
@@ -69,7 +71,8 @@ def _check_on_hopper(case: tuple, pack: int = 1, **extra: bool | int) -> None:
                         softcap=softcap > 0, varlen=varlen, pingpong=pingpong, pack_gqa=pack, **extra)
     fn = jit.compile_kernel(cfg)
     mq = max(lq) if varlen else Nq
-    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq, tile_counter(cfg, q.device), None)
+    fn(q, k, v, out, lse, cu_q, cu_k, scale, softcap, left, right, mq, tile_counter(cfg, q.device),
+       *NO_SINKS_NO_AUX)
     torch.cuda.synchronize()
     kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
