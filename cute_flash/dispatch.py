@@ -195,6 +195,10 @@ def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_
     d = max(p.hdim, p.hdim_v)
     hopper = fwd_family(arch, p.hdim, p.hdim_v) == "sm90"
     fp8 = bool(kv_dtype)
+    if hopper and not fp8 and not page_size and sm80_kvcache.fills_the_sms_decoding(p):
+        # Enough (batch, KV head) tiles to fill the SMs without splitting: the small two-warp
+        # decoding tiles, several per SM, read the cache faster (docs/tuning.md).
+        return sm80_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, num_splits=num_splits)
     if hopper and (not page_size or sm90_kvcache.takes_pages(page_size, d, p.masked, fp8)):
         return sm90_kvcache.plan(p, batch_idx=batch_idx, leftpad=leftpad, page_size=page_size,
                                  num_splits=num_splits, kv_dtype=kv_dtype)

@@ -211,6 +211,15 @@ def decode_tiles(tiles: tuple[int, int, int, int], hdim: int, hdim_v: int) -> tu
     return DECODE_TILE_M, min(tiles[1], DECODE_KV_STAGE // (hdim + hdim_v)), DECODE_TILE_M // 16 * 32, 1
 
 
+def fills_the_sms_decoding(p: Problem) -> bool:
+    """Decoding (the decoding tile applies) with at least a quarter as many tiles as SMs: on Hopper
+    the sm80 decoding tiles then read a contiguous cache faster than the sm90 kernel (which wins
+    where few tiles must split the keys)."""
+    pack = _pack(p, DECODE_TILE_M)
+    decoding = p.max_seqlen_q * pack <= DECODE_TILE_M
+    return decoding and p.batch * (p.heads_q // pack) * 4 >= p.num_sms
+
+
 def ctas_per_sm(cfg: FwdKVCacheConfig) -> int:
     """Resident CTAs of ``cfg`` per SM, bounded by shared memory (Q, the K / V stages) and by
     registers at the most a thread can hold."""

@@ -198,6 +198,20 @@ def test_sm80_decoding_takes_two_warp_tiles_that_share_an_sm(nq: int, d: int) ->
         assert sm80_kvcache.ctas_per_sm(cfg) >= 4
 
 
+def test_hopper_decoding_of_full_batches_takes_the_sm80_decoding_tile() -> None:
+    def plan(batch: int, page_size: int = 0, kv_dtype: str = ""):
+        p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=batch,
+                                     seqlen_q=1, capacity=32768, heads_q=32, heads_kv=8, num_sms=132,
+                                     q_dense=True)
+        return dispatch.kvcache_plan("sm_90a", p, batch_idx=False, leftpad=False, page_size=page_size,
+                                     kv_dtype=kv_dtype).config
+
+    assert plan(64).kernel_name == plan(8).kernel_name == "fwd_sm80_kvcache"  # 512 / 64 tiles
+    assert plan(64).tiles[0] == 32
+    assert plan(1).kernel_name == "fwd_sm90_kvcache"  # 8 tiles: split over the SMs
+    assert plan(64, page_size=64).kernel_name == plan(64, kv_dtype="e4m3").kernel_name == "fwd_sm90_kvcache"
+
+
 def test_sm80_prefill_keeps_the_forward_tile() -> None:
     p = dispatch.kvcache_problem("bf16", 128, 128, causal=True, local=False, softcap=False, batch=1,
                                  seqlen_q=300, capacity=4096, heads_q=32, heads_kv=8, num_sms=108,
