@@ -190,7 +190,9 @@ def kvcache_plan(arch: str, p: Problem, *, batch_idx: bool, leftpad: bool, page_
                  num_splits: int = 0, kv_dtype: str = "") -> sm80_kvcache.KVCachePlan:
     """The KV-cache kernel (and split merge) for ``p`` on a GPU of ``arch``: the forward family's
     (``fwd_family``), except that pages the sm90 kernel's TMA boxes do not take
-    (``takes_pages``) go to the sm80 kernel's row-by-row cp.async loads. ``kv_dtype`` "e4m3": an
+    (``takes_pages``) go to the sm80 kernel's row-by-row cp.async loads, and that on Hopper
+    decoding over a contiguous 16-bit cache with tiles enough to fill the SMs takes the sm80
+    decoding tile (``fills_the_sms_decoding``). ``kv_dtype`` "e4m3": an
     FP8 cache, read by the sm90 kernel only."""
     d = max(p.hdim, p.hdim_v)
     hopper = fwd_family(arch, p.hdim, p.hdim_v) == "sm90"
