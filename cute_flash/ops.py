@@ -322,7 +322,7 @@ def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dls
     p_sink = torch.exp((sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1)) - lse)
     g = torch.zeros_like(lse)
     if dout is not None:
-        d = (dout * out).sum(-1, dtype=torch.float32)  # (B, Nq, H) | (Tq, H); no fp32 copies of O
+        d = (dout.float() * out.float()).sum(-1)  # (B, Nq, H) | (Tq, H)
         g = g - (d.t() if varlen else d.transpose(1, 2))
     if dlse is not None:
         g = g + dlse.float()
