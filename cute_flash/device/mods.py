@@ -10,9 +10,11 @@ softmax.
 tuple of the call's ``aux`` tensors (cute tensors, indexed like torch's: ``aux[0][h]``). The
 functions are CuTe-DSL code: arithmetic, comparisons, ``cute.math`` (exp, log, tanh, ...),
 ``cutlass.min`` / ``max``, ``cutlass.select_``, reads of ``aux`` tensors and Python constants
-(closures too; they are part of the compile key). Positions past a sequence's end are clamped
-to its last query / key before the mods see them (those scores are masked, those rows never
-stored), so a table lookup by position stays in range.
+(closures too; they are part of the compile key); ``&`` / ``|`` combine conditions, and a mod
+decorated with ``cute.jit`` may use ``if`` / ``and`` / ``or`` as well. Positions past a
+sequence's end are clamped to its last query / key before the mods see them (those scores are
+masked, those rows never stored), so a table lookup by position stays in range. The forwards take
+them through their configs (``mods``) and the launcher (``launch.run_fwd(mods=, aux=)``).
 """
 
 from __future__ import annotations
