@@ -155,5 +155,7 @@ def test_call_signature_is_sm80_plus_a_tile_counter() -> None:
 
     a = FwdSm90Config(target="sm_90a").fake_args()
     b = FwdConfig(target="sm_90a").fake_args()
-    assert len(b) == 14 and len(a) == 15  # ... max_seqlen_q, [tile_counter,] sinks, stream
-    assert a[-2] is None and b[-2] is None  # (no sinks: nothing compiled for them)
+    # ... max_seqlen_q, [tile_counter,] sinks, 4 aux tensors, stream
+    assert len(b) == 18 and len(a) == 19
+    # (No sinks, no mods: nothing compiled for them.)
+    assert all(x is None for x in a[-6:-1]) and all(x is None for x in b[-6:-1])
