@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from cute_flash import ops as _ops  # (also registers torch.ops.cute_flash.*)
-from cute_flash import ops_fp8, ops_kvcache, validate
+from cute_flash import ops_fp8, ops_kvcache, ops_mods, validate
 from cute_flash.formats import FP8
 
 
@@ -26,7 +26,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     deterministic: bool = False, return_lse: bool = False, *,
                     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                     v_descale: torch.Tensor | None = None, fp8: bool = False,
-                    sinks: torch.Tensor | None = None
+                    sinks: torch.Tensor | None = None, score_mod: object = None, mask_mod: object = None,
+                    aux: Sequence[torch.Tensor] = ()
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on (B, N, H, d) tensors.
 
@@ -42,6 +43,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     joins every row's softmax denominator (beside the scaled, capped scores) and contributes no
     value; the LSE includes it. Differentiable (its gradient is returned like q's).
 
+    ``score_mod(score, b, h, q_idx, kv_idx, aux)`` / ``mask_mod(b, h, q_idx, kv_idx, aux)``:
+    CuTe-DSL functions (FlexAttention's signatures plus ``aux``, the tuple of up to four tensors
+    passed here) compiled into the forward kernel, applied to the scaled scores before the masks
+    (``cute_flash.device.mods``: what they may use, and built-ins such as ``alibi()`` that return
+    (DSL function, torch function) pairs; CPU tensors need the torch form). Forward only for now:
+    with inputs that require grad, or under torch.compile, they raise ``NotImplementedError``.
+
     FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
     omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
@@ -52,6 +60,14 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     validate.check_call({"q": q, "k": k, "v": v}, flags)
     if sinks is not None:
         validate.check_sinks(sinks, q)
+    if score_mod is not None or mask_mod is not None:
+        if fp8 or q.dtype == FP8:
+            raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
+        scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
+        out, lse = ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
+                                           softcap=float(softcap), sinks=sinks, score_mod=score_mod,
+                                           mask_mod=mask_mod, aux=aux)
+        return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
@@ -94,7 +110,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            deterministic: bool = False, return_lse: bool = False, *,
                            q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                            v_descale: torch.Tensor | None = None, fp8: bool = False,
-                           sinks: torch.Tensor | None = None
+                           sinks: torch.Tensor | None = None, score_mod: object = None,
+                           mask_mod: object = None, aux: Sequence[torch.Tensor] = ()
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on packed variable-length sequences.
 
@@ -105,14 +122,24 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     lse (H, Tq) float32.
 
     FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
-    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head. ``sinks`` as in
-    ``flash_attn_func``.
+    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head. ``sinks``,
+    ``score_mod``, ``mask_mod`` and ``aux`` as in ``flash_attn_func`` (a mod's ``b`` is the
+    sequence, its positions count from the sequence's start).
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     validate.check_call(tensors, flags)
     if sinks is not None:
         validate.check_sinks(sinks, q)
+    if score_mod is not None or mask_mod is not None:
+        if fp8 or q.dtype == FP8:
+            raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
+        scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
+        out, lse = ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
+                                           softcap=float(softcap), sinks=sinks, score_mod=score_mod,
+                                           mask_mod=mask_mod, aux=aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                                           max_q=int(max_seqlen_q), max_k=int(max_seqlen_k))
+        return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks

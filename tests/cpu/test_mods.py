@@ -102,3 +102,49 @@ def test_each_builtin_compiles_into_both_forwards(name: str, family: str, reques
     if ins.tools_dir() is not None:
         for fn, res in ins.cubin_sass_and_usage(cubin)[1].items():
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, (fn, res)
+
+
+def test_the_public_functions_run_the_mods_torch_forms_on_cpu(seed: int) -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(d=32))
+    slopes = torch.rand(4)
+    out = cute_flash.flash_attn_func(q, k, v, causal=True, score_mod=m.alibi(), aux=(slopes,))
+    want, _ = attention_ref(q, k, v, causal=True, score_mod=m.alibi()[1], aux=(slopes,))
+    torch.testing.assert_close(out, want.to(out.dtype))
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    ids = torch.tensor([[0] * 10 + [1] * 27, [0] * 37])
+    qp, kp, vp = (t[0] for t in (q, k, v))
+    out = cute_flash.flash_attn_varlen_func(qp, kp, vp, cu, cu, 20, 20, mask_mod=m.document(), aux=(ids,))
+    want, _ = attention_ref(qp, kp, vp, mask_mod=m.document()[1], aux=(ids,), cu_seqlens_q=cu,
+                            cu_seqlens_k=cu)
+    torch.testing.assert_close(out, want.to(out.dtype))
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(softcap=5.0), ValueError, "softcap"),
+    (dict(score_mod=m.alibi()[0]), ValueError, "torch function"),  # a DSL function alone on CPU
+    (dict(aux=[torch.zeros(4, dtype=torch.float64)]), TypeError, "dtype"),
+    (dict(aux=tuple(torch.zeros(4) for _ in range(5))), ValueError, "at most"),
+    (dict(aux=("slopes",)), TypeError, "aux"),
+    (dict(score_mod="alibi"), TypeError, "score_mod"),
+    (dict(fp8=True), NotImplementedError, "FP8"),
+])
+def test_bad_mod_calls_raise_before_anything_runs(kw, err, match) -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(d=64))
+    args = dict(score_mod=m.alibi(), aux=(torch.rand(4),))
+    args.update(kw)
+    with pytest.raises(err, match=match):
+        cute_flash.flash_attn_func(q, k, v, **args)
+
+
+def test_mods_are_forward_only_for_now() -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    with pytest.raises(NotImplementedError, match="forward only"):
+        cute_flash.flash_attn_func(q, k, v, mask_mod=m.causal())
+    with torch.no_grad():
+        cute_flash.flash_attn_func(q, k, v, mask_mod=m.causal())

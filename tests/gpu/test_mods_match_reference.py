@@ -111,3 +111,19 @@ def test_mods_on_packed_sequences(name: str, family: str, seed: int) -> None:
     if family == "sm90" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the sm90 forward needs a Hopper GPU")
     _run(name, family, True, seed)
+
+
+@torch.no_grad()
+def test_the_public_function_takes_builtin_pairs(seed: int) -> None:
+    import cute_flash
+
+    q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.rand(H, device="cuda") * 0.2
+    out, lse = cute_flash.flash_attn_func(q, k, v, causal=True, score_mod=m.alibi(), aux=(slopes,),
+                                          return_lse=True)
+    kw = dict(causal=True, score_mod=m.alibi()[1], aux=(slopes,))
+    r_out, r_lse = attention_ref(q, k, v, **kw)
+    s_out, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, "public alibi")
