@@ -61,12 +61,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if sinks is not None:
         validate.check_sinks(sinks, q)
     if score_mod is not None or mask_mod is not None:
-        if fp8 or q.dtype == FP8:
-            raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
-        scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
-        out, lse = ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
-                                           softcap=float(softcap), sinks=sinks, score_mod=score_mod,
-                                           mask_mod=mask_mod, aux=aux)
+        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, sinks, score_mod,
+                              mask_mod, aux)
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)
@@ -80,6 +76,17 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     scale, wl, wr, cap = _op_args(q, softmax_scale, window_size, softcap)
     out, lse = _ops.attention_fwd(q, k, v, scale, bool(causal), wl, wr, cap, bool(deterministic), sinks=sinks)
     return (out, lse) if return_lse else out
+
+
+def _mods_call(q, k, v, fp8: bool, softmax_scale, causal, window_size, softcap, sinks, score_mod, mask_mod,
+               aux, **varlen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call with a score_mod / mask_mod (``ops_mods``; forward only)."""
+    if fp8 or q.dtype == FP8:
+        raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
+    scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
+    return ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
+                                   softcap=float(softcap), sinks=sinks, score_mod=score_mod,
+                                   mask_mod=mask_mod, aux=aux, **varlen)
 
 
 def _fp8_checks(softcap: float, sinks: torch.Tensor | None) -> None:
@@ -132,13 +139,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if sinks is not None:
         validate.check_sinks(sinks, q)
     if score_mod is not None or mask_mod is not None:
-        if fp8 or q.dtype == FP8:
-            raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
-        scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
-        out, lse = ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
-                                           softcap=float(softcap), sinks=sinks, score_mod=score_mod,
-                                           mask_mod=mask_mod, aux=aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
-                                           max_q=int(max_seqlen_q), max_k=int(max_seqlen_k))
+        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, sinks, score_mod,
+                              mask_mod, aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_q=int(max_seqlen_q),
+                              max_k=int(max_seqlen_k))
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)

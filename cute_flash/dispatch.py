@@ -100,13 +100,15 @@ def _check_family(family: str) -> None:
 
 def fwd_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, softcap: bool, varlen: bool,
                 seqlen_q: int | None, seqlen_k: int | None, heads_q: int, heads_kv: int, num_sms: int,
-                q_dense: bool = True, target: str | None = None, sinks: bool = False) -> Problem:
+                q_dense: bool = True, target: str | None = None, sinks: bool = False,
+                mods: object = None) -> Problem:
     """The forward problem of a call as its plan reads it. Packed sequences plan without extents
     (their lengths are on the device; the plan must hold for any of them), as does a call whose
     ``seqlen_q`` is None."""
     known = not varlen and seqlen_q is not None
     return Problem(target=target, dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local,
-                   softcap=softcap, varlen=varlen, sinks=sinks, max_seqlen_q=seqlen_q if known else None,
+                   softcap=softcap, varlen=varlen, sinks=sinks, mods=mods,
+                   max_seqlen_q=seqlen_q if known else None,
                    max_seqlen_k=seqlen_k if known else None, heads_q=heads_q, heads_kv=heads_kv,
                    num_sms=num_sms if known else 132, q_dense=q_dense and known)
 

@@ -6,7 +6,6 @@ kernel shares one call signature, every backward its pre / main / post signature
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -106,13 +105,28 @@ def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, so
                                  seqlen_k=v.shape[1] if dense_cuda else None,
                                  heads_q=q.shape[-2], heads_kv=v.shape[-2],
                                  num_sms=sm_count(q.device) if dense_cuda else 132,
-                                 q_dense=dense_cuda and dense_bnhd(q), sinks=sinks)
-        if mods is not None:
-            p = dataclasses.replace(p, mods=mods)
+                                 q_dense=dense_cuda and dense_bnhd(q), sinks=sinks, mods=mods)
         cfg = dispatch.fwd_config(p, family)
         hit = (cfg, jit.compile_kernel(cfg))
         _FWD_KERNELS.put(key, hit)
     return hit
+
+
+def alloc_fwd(q: Tensor, v: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
+    """The forward's (out, lse), shaped and typed as the kernels write them."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty(validate.expected_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def fill_empty_fwd(out: Tensor, lse: Tensor, sinks: Tensor | None, varlen: bool) -> None:
+    """The outputs of a problem with no queries or no keys: O = 0, LSE = -inf, or with sinks the
+    sink (a row that sees no key still has it)."""
+    out.zero_()
+    if sinks is None:
+        lse.fill_(float("-inf"))
+    else:
+        lse.copy_((sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1)).expand(lse.shape))
 
 
 def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float,

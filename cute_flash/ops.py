@@ -27,12 +27,6 @@ Tensor = torch.Tensor
 # Allocation and kernel-facing helpers (shared by the real and the fake implementations, so
 # both give outputs of the same shapes, dtypes and strides)
 # ---------------------------------------------------------------------------------------------
-def _alloc_fwd(q: Tensor, v: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty(validate.expected_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
-    return out, lse
-
-
 def _alloc_bwd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     # Gradients laid out like their inputs: the kernels take any strides that pass validation,
     # and autograd then accumulates into .grad without a layout change.
@@ -87,24 +81,15 @@ def _fwd_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, windo
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     if sinks is not None:
         validate.check_sinks(sinks, q)
-    out, lse = _alloc_fwd(q, v, cu_q is not None)
+    out, lse = launch.alloc_fwd(q, v, cu_q is not None)
     if _is_empty(q, k):
-        out.zero_()
-        if sinks is None:
-            lse.fill_(float("-inf"))
-        else:  # (a row that sees no key still has its sink: LSE = sink)
-            lse.copy_(_empty_lse(lse, sinks, cu_q is not None))
+        launch.fill_empty_fwd(out, lse, sinks, cu_q is not None)
         return out, lse
     with torch.cuda.device(q.device):
         launch.run_fwd(_kernel_view(q), _kernel_view(k), _kernel_view(v), out, lse, softmax_scale=scale,
                        causal=causal, window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, sinks=sinks)
     return out, lse
-
-
-def _empty_lse(lse: Tensor, sinks: Tensor, varlen: bool) -> Tensor:
-    """The LSE of rows that see no key when sinks join the softmax: the sink itself."""
-    return sinks.view(-1, 1).expand(lse.shape) if varlen else sinks.view(1, -1, 1).expand(lse.shape)
 
 
 def _fwd_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
@@ -115,7 +100,7 @@ def _fwd_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     if sinks is not None:
         validate.check_sinks(sinks, q)
-    out, lse = _alloc_fwd(q, v, cu_q is not None)
+    out, lse = launch.alloc_fwd(q, v, cu_q is not None)
     ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale=scale, causal=causal,
                                                window_size=window, softcap=softcap, cu_seqlens_q=cu_q,
                                                cu_seqlens_k=cu_k, sinks=sinks)
@@ -132,7 +117,7 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, window: tuple[int, 
                        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, check_data=False)
     if sinks is not None:
         validate.check_sinks(sinks, q)
-    return _alloc_fwd(q, v, cu_q is not None)
+    return launch.alloc_fwd(q, v, cu_q is not None)
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=(), device_types="cpu")

@@ -76,13 +76,9 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
                                            score_mod=torch_s, mask_mod=torch_m, aux=aux)
         return out.to(q.dtype), lse.float()
     mods = Mods(score_mod=dsl_s, mask_mod=dsl_m, aux=tuple((AUX_TYPES[t.dtype], t.dim()) for t in aux))
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty(validate.expected_lse_shape(q, cu_q is not None), dtype=torch.float32, device=q.device)
+    out, lse = launch.alloc_fwd(q, v, cu_q is not None)
     if q.numel() == 0 or k.numel() == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        if sinks is not None:  # (a row that sees no key keeps its sink: LSE = sink)
-            lse.copy_((sinks.view(-1, 1) if cu_q is not None else sinks.view(1, -1, 1)).expand(lse.shape))
+        launch.fill_empty_fwd(out, lse, sinks, cu_q is not None)
         return out, lse
     with torch.cuda.device(q.device):
         launch.run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=window,
