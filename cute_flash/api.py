@@ -45,10 +45,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
 
     ``score_mod(score, b, h, q_idx, kv_idx, aux)`` / ``mask_mod(b, h, q_idx, kv_idx, aux)``:
     CuTe-DSL functions (FlexAttention's signatures plus ``aux``, the tuple of up to four tensors
-    passed here) compiled into the forward kernel, applied to the scaled scores before the masks
-    (``cute_flash.device.mods``: what they may use, and built-ins such as ``alibi()`` that return
-    (DSL function, torch function) pairs; CPU tensors need the torch form). Forward only for now:
-    with inputs that require grad, or under torch.compile, they raise ``NotImplementedError``.
+    passed here) compiled into the forward and backward kernels, applied to the scaled scores
+    before the masks (``cute_flash.device.mods``: what they may use, and built-ins such as
+    ``alibi()``). A mod is a DSL function, a (DSL function, torch function[, score_mod_bwd])
+    tuple or a ``Mod``; CPU tensors need the torch form, gradients through a score_mod its
+    derivative ``score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads)``, which also
+    gives the gradients of the floating-point aux tensors that require grad.
 
     FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
@@ -61,8 +63,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if sinks is not None:
         validate.check_sinks(sinks, q)
     if score_mod is not None or mask_mod is not None:
-        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, sinks, score_mod,
-                              mask_mod, aux)
+        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, deterministic, sinks,
+                              score_mod, mask_mod, aux)
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)
@@ -78,15 +80,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     return (out, lse) if return_lse else out
 
 
-def _mods_call(q, k, v, fp8: bool, softmax_scale, causal, window_size, softcap, sinks, score_mod, mask_mod,
-               aux, **varlen) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a call with a score_mod / mask_mod (``ops_mods``; forward only)."""
+def _mods_call(q, k, v, fp8: bool, softmax_scale, causal, window_size, softcap, deterministic, sinks,
+               score_mod, mask_mod, aux, **varlen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call with a score_mod / mask_mod (``ops_mods``)."""
     if fp8 or q.dtype == FP8:
         raise NotImplementedError("FP8 attention does not take score_mod / mask_mod yet")
     scale, wl, wr, _ = _op_args(q, softmax_scale, window_size, 0.0)
     return ops_mods.mods_attention(q, k, v, scale=scale, causal=bool(causal), window=(wl, wr),
-                                   softcap=float(softcap), sinks=sinks, score_mod=score_mod,
-                                   mask_mod=mask_mod, aux=aux, **varlen)
+                                   softcap=float(softcap), deterministic=bool(deterministic), sinks=sinks,
+                                   score_mod=score_mod, mask_mod=mask_mod, aux=aux, **varlen)
 
 
 def _fp8_checks(softcap: float, sinks: torch.Tensor | None) -> None:
@@ -139,9 +141,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if sinks is not None:
         validate.check_sinks(sinks, q)
     if score_mod is not None or mask_mod is not None:
-        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, sinks, score_mod,
-                              mask_mod, aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, max_q=int(max_seqlen_q),
-                              max_k=int(max_seqlen_k))
+        out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, deterministic, sinks,
+                              score_mod, mask_mod, aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
+                              max_q=int(max_seqlen_q), max_k=int(max_seqlen_k))
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)

@@ -65,22 +65,23 @@ def fwd_family(arch: str, hdim: int | None = None, hdim_v: int | None = None) ->
     return "sm90"
 
 
-def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool) -> bool:
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, mods: bool = False) -> bool:
     """Whether the sm90 backward runs this problem."""
-    return sm90_bwd.sm90_bwd_covers(hdim, hdim_v, softcap)
+    return sm90_bwd.sm90_bwd_covers(hdim, hdim_v, softcap, mods)
 
 
-def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool) -> str:
+def bwd_family(arch: str, hdim: int, hdim_v: int, softcap: bool, mods: bool = False) -> str:
     """``sm80`` or ``sm90``: the backward kernels for a GPU of ``arch``.
 
     ``CUTE_FLASH_BWD_KERNEL``: ``auto`` takes the FA3 backward on Hopper where it covers the
-    problem (head dims 64 / 96 / 128 / 192 / 256 with d_v = d, and (192, 128)) and FA2 elsewhere;
+    problem (head dims 64 / 96 / 128 / 192 / 256 with d_v = d, and (192, 128); score_mod / mask_mod
+    at d <= 128) and FA2 elsewhere;
     ``sm80`` forces FA2; ``sm90`` forces FA3, raising ``ValueError`` where it does not apply.
     """
     choice = _choice(BWD_KERNEL_ENV)
     if choice == "sm80":
         return "sm80"
-    if is_hopper(arch) and sm90_bwd_covers(hdim, hdim_v, softcap):
+    if is_hopper(arch) and sm90_bwd_covers(hdim, hdim_v, softcap, mods):
         return "sm90"
     if choice == "sm90":
         raise ValueError(f"{BWD_KERNEL_ENV}=sm90: the sm90 backward needs a Hopper GPU, a head dim in "
@@ -115,11 +116,11 @@ def fwd_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool
 
 def bwd_problem(family: str, target: str, dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool,
                 softcap: bool, varlen: bool, deterministic: bool, dlse: bool, seqlen_q: int, seqlen_k: int,
-                heads_q: int, heads_kv: int, batch: int, num_sms: int) -> Problem:
+                heads_q: int, heads_kv: int, batch: int, num_sms: int, mods: object = None) -> Problem:
     """The backward problem of a call: the sm90 plan reads the extents (head split, grid order),
     the sm80 one does not. ``target``: the resolved compile target (the sm80 configs carry it)."""
     base = dict(dtype=dtype, hdim=hdim, hdim_v=hdim_v, causal=causal, local=local, softcap=softcap,
-                varlen=varlen, deterministic=deterministic, dlse=dlse)
+                varlen=varlen, deterministic=deterministic, dlse=dlse, mods=mods)
     if family == "sm90":
         return Problem(target=None, **base, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, heads_q=heads_q,
                        heads_kv=heads_kv, batch=batch, num_sms=num_sms)

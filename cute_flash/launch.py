@@ -206,13 +206,16 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             softcap: float = 0.0, deterministic: bool = False, cu_seqlens_q: Tensor | None = None,
             cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
             max_seqlen_k: int | None = None, dlse: Tensor | None = None, family: str | None = None,
-            overrides: dict | None = None) -> None:
+            overrides: dict | None = None, mods: object = None, aux: tuple[Tensor, ...] = (),
+            aux_grads: tuple[Tensor | None, ...] = ()) -> None:
     """Launch the backward (pre, main, post) on validated CUDA tensors; writes ``dq``, ``dk``, ``dv``.
 
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
     (B, H, Nq) | (H, Tq), natural log, -inf on rows that saw no key; ``dlse``: the LSE output's
     gradient (float32, lse's shape, contiguous), or None. ``family``: None = ``dispatch.bwd_family``;
-    ``overrides``: sm90 main config fields (tuning scripts).
+    ``overrides``: sm90 main config fields (tuning scripts). ``mods``: a score_mod / mask_mod with
+    its derivative (``device/mods.py``: Mods) over ``aux``; ``aux_grads``: per aux tensor a zeroed
+    fp32 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None.
     """
     if v.shape[-1] > q.shape[-1]:
         # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
@@ -228,13 +231,14 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         dv.zero_()
         return
     if family is None:
-        family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0)
+        family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0,
+                                     mods is not None)
     target = jit.resolve_arch(q.device) if family != "sm90" else None
     p = dispatch.bwd_problem(family, target, formats.dtype_name(q.dtype), q.shape[-1], v.shape[-1],
                              causal=causal, local=local, softcap=softcap > 0.0, varlen=varlen,
                              deterministic=deterministic, dlse=dlse is not None, seqlen_q=mq, seqlen_k=mk,
                              heads_q=q.shape[-2], heads_kv=k.shape[-2], batch=num_batch,
-                             num_sms=sm_count(q.device) if family == "sm90" else 132)
+                             num_sms=sm_count(q.device) if family == "sm90" else 132, mods=mods)
     cfg, pre, main, post, split = _bwd_kernels(p, family, tuple(sorted((overrides or {}).items())))
     if family == "sm80":
         need = cfg.tiles.smem_bytes(cfg.hdim, cfg.hdim_v)
@@ -247,13 +251,33 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     scale = float(softmax_scale)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
+    pad = [None] * (jit.MAX_AUX - len(aux))
+    grads = [g for g in aux_grads if g is not None]
     main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
-         float(softcap) if softcap > 0 else 0.0, left, right, mk)
+         float(softcap) if softcap > 0 else 0.0, left, right, mk, *aux, *pad, *grads,
+         *([None] * (jit.MAX_AUX - len(grads))))
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
     if split > 1:
         # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).
         for part, grad in ((dk_main, dk), (dv_main, dv)):
             torch.sum(part.unflatten(-2, (k.shape[-2], split)), dim=-2, out=grad)
+
+
+def sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None,
+               varlen: bool) -> Tensor:
+    """d loss / d sink_h = sum over rows of p_sink (dlse - rowsum(dO * O)), p_sink = exp(sink - LSE):
+    the sink's score gets dS = P (dP - D) with dP = 0 (it carries no value), plus the LSE's own
+    gradient. (dq / dk / dv need nothing new: the LSE already includes the sink.)"""
+    lse = lse.float()
+    p_sink = torch.exp((sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1)) - lse)
+    g = torch.zeros_like(lse)
+    if dout is not None:
+        d = (dout.float() * out.float()).sum(-1)  # (B, Nq, H) | (Tq, H)
+        g = g - (d.t() if varlen else d.transpose(1, 2))
+    if dlse is not None:
+        g = g + dlse.float()
+    dims = (1,) if varlen else (0, 2)
+    return (p_sink * g).sum(dims)
 
 
 # ---------------------------------------------------------------------------------------------

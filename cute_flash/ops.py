@@ -294,25 +294,8 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None,
         return None, None, None, None
     dsinks = None
     if sinks is not None and sinks.requires_grad:
-        dsinks = _sink_grad(sinks, out, lse, dout, dlse, ctx.varlen is not None)
+        dsinks = launch.sink_grad(sinks, out, lse, dout, dlse, ctx.varlen is not None)
     return (*_qkv_grads(ctx, q, k, v, out, lse, cu, dout, dlse, direct), dsinks)
-
-
-def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None,
-               varlen: bool) -> Tensor:
-    """d loss / d sink_h = sum over rows of p_sink (dlse - rowsum(dO * O)), p_sink = exp(sink - LSE):
-    the sink's score gets dS = P (dP - D) with dP = 0 (it carries no value), plus the LSE's own
-    gradient. (dq / dk / dv need nothing new: the LSE already includes the sink.)"""
-    lse = lse.float()
-    p_sink = torch.exp((sinks.view(-1, 1) if varlen else sinks.view(1, -1, 1)) - lse)
-    g = torch.zeros_like(lse)
-    if dout is not None:
-        d = (dout.float() * out.float()).sum(-1)  # (B, Nq, H) | (Tq, H)
-        g = g - (d.t() if varlen else d.transpose(1, 2))
-    if dlse is not None:
-        g = g + dlse.float()
-    dims = (1,) if varlen else (0, 2)
-    return (p_sink * g).sum(dims)
 
 
 def _qkv_grads(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: list[Tensor],

@@ -25,6 +25,16 @@ def aux_args(mods) -> tuple:
     return (*fakes, *([None] * (jit.MAX_AUX - len(fakes))))
 
 
+def aux_grad_args(mods) -> tuple:
+    """The main backward's ``MAX_AUX`` aux gradient arguments: an fp32 fake tensor of the aux
+    tensor's rank where ``mods.aux_grads`` asks for one, None elsewhere."""
+    flags = () if mods is None else mods.aux_grads
+    specs = () if mods is None else mods.aux
+    fakes = [jit.fake_tensor(cutlass.Float32, tuple(jit.sym() for _ in range(rank)), leading_dim=rank - 1)
+             if flag else None for flag, (_, rank) in zip(flags, specs, strict=True)]
+    return (*fakes, *([None] * (jit.MAX_AUX - len(fakes))))
+
+
 def sinks_arg(sinks: bool):
     """The forward's (H,) fp32 sink logits, or None (the kernels then compile without them)."""
     return jit.fake_tensor(cutlass.Float32, (jit.sym(),), leading_dim=0) if sinks else None
@@ -77,11 +87,12 @@ def scratch_fakes(varlen: bool, h, b, with_sem: bool):
 
 
 def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, deterministic: bool,
-                       split_heads: bool = False) -> tuple:
+                       split_heads: bool = False, mods=None) -> tuple:
     """Compile arguments of every main backward kernel (sm80 and sm90 share the call signature):
     (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k, semaphores, softmax_scale, softcap,
-    window_left, window_right, max_seqlen_k, stream). ``split_heads``: dk / dv have their own head
-    count (partial sums, a multiple of k's heads)."""
+    window_left, window_right, max_seqlen_k, aux0..3, aux_grad0..3, stream). ``split_heads``: dk /
+    dv have their own head count (partial sums, a multiple of k's heads); ``mods``: the aux
+    tensors' and their gradients' types (None past the last)."""
     dt = jit.DTYPES[dtype]
     div = jit.vec_div(dt)
     h, hkv, d, dv = jit.sym(), jit.sym(), hdim, hdim_v
@@ -107,7 +118,8 @@ def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, determi
     dvv = jit.fake_tensor(dt, dk_shape(dv), divisibility=div)
     lse2, dsum, dq_acc, sem = scratch_fakes(varlen, h, b, deterministic)
     scalars = scalar_args()
-    return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, jit.fake_stream())
+    return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, *aux_args(mods),
+            *aux_grad_args(mods), jit.fake_stream())
 
 
 def bwd_post_fake_args(dtype: str, hdim: int, varlen: bool) -> tuple:

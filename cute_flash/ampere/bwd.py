@@ -56,6 +56,7 @@ from cute_flash.device import scratch, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_mn, transpose_smem
 from cute_flash.device.mask import AttentionMask
+from cute_flash.device.mods import aligned_grads, mod_grads, mod_scores
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import score_scales
 
@@ -95,6 +96,7 @@ class FlashBwdSm80:
         assert self.hdim % self.dq_splits == 0
         self.is_causal, self.is_local = cfg.causal, cfg.local
         self.has_softcap, self.varlen, self.deterministic = cfg.softcap, cfg.varlen, cfg.deterministic
+        self.mods = cfg.mods
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -135,7 +137,12 @@ class FlashBwdSm80:
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
-                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
+                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
+                 mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
+                 mAux3: cute.Tensor | None, mAuxGrad0: cute.Tensor | None, mAuxGrad1: cute.Tensor | None,
+                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, stream):
+        """``mAux*`` / ``mAuxGrad*``: the mods' aux tensors and the gradients asked for (None past
+        the last)."""
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
@@ -147,13 +154,16 @@ class FlashBwdSm80:
         else:
             num_batch = mK.shape[3]
             seqlen_k = mK.shape[0]
-        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap,
+                                               self.mods is not None and self.mods.score_mod is not None)
+        aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
+        aux_grads = tuple(g for g in (mAuxGrad0, mAuxGrad1, mAuxGrad2, mAuxGrad3) if g is not None)
         # K/V block fastest: in deterministic mode block n waits on block n-1 of the same
         # (kv head, batch), which the in-order block dispatch has always started before it.
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
-                    mSemaphore, softmax_scale, score_scale, scale_log2, window_left, window_right,
-                    Storage).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+                    mSemaphore, softmax_scale, score_scale, scale_log2, window_left, window_right, aux,
+                    aux_grads, Storage).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -163,7 +173,8 @@ class FlashBwdSm80:
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSemaphore: cute.Tensor | None, softmax_scale: Float32, score_scale: Float32,
-               scale_log2: Float32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
+               scale_log2: Float32, window_left: Int32, window_right: Int32, aux: tuple, aux_grads: tuple,
+               Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
@@ -172,6 +183,7 @@ class FlashBwdSm80:
             ctx = self.make_ctx(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mSemaphore, seqlen, Storage,
                                 score_scale, scale_log2, window_left, window_right, tidx, n_block,
                                 head_kv, batch)
+            ctx.aux, ctx.aux_grads = aux, aligned_grads(self.mods, aux_grads)
             self.mainloop(ctx)
             self.epilogue(ctx, mdK, mdV, softmax_scale)
 
@@ -358,14 +370,14 @@ class FlashBwdSm80:
         acc_S.fill(0.0)
         warp_mma.gemm_ss(ctx.mma_sdp, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ[None, None, None, slot], ctx.tSsK,
                          ctx.s2r_sdp_A, ctx.s2r_sdp_B)
-        dtanh = self.scores_to_probs(ctx, acc_S, m_block, slot, need_mask)
+        dtanh = self.scores_to_probs(ctx, acc_S, m_block, slot, need_mask, head)
 
         # ---- dP = dO V^T, dS = P (dP - D) ----
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP.fill(0.0)
         warp_mma.gemm_ss(ctx.mma_sdp, acc_dP, ctx.tdPrdO, ctx.tdPrV, ctx.tdPsdO[None, None, None, slot],
                          ctx.tdPsV, ctx.s2r_sdp_A, ctx.s2r_sdp_B)
-        self.probs_to_dS(ctx, acc_S, acc_dP, dtanh, slot)
+        self.probs_to_dS(ctx, acc_S, acc_dP, dtanh, slot, head, m_block)
 
         # ---- P, dS -> smem (16 bit); every later GEMM reads them from there ----
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -408,9 +420,17 @@ class FlashBwdSm80:
         return h1, m1
 
     @cute.jit
-    def scores_to_probs(self, ctx, acc_S, m_block, slot, need_mask):
-        """S -> P in place. Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
+    def scores_to_probs(self, ctx, acc_S, m_block, slot, need_mask, head):
+        """S -> P in place (the mods of query head ``head`` first). Returns what the chain rule
+        needs: 1 - tanh^2 with softcap, the unmodified scores with a score_mod's derivative, else
+        None."""
         dtanh = None
+        if cutlass.const_expr(self.mods is not None):
+            if cutlass.const_expr(self.mods.grads_score):
+                dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
+            mod_scores(self.mods, acc_S, ctx.tScS_mn, 0, m_block * self.tile_m, ctx.n_block * self.tile_n,
+                       ctx.batch, head, 1, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux, ctx.score_scale,
+                       dtanh)
         if cutlass.const_expr(self.has_softcap):
             dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
             for i in cutlass.range_constexpr(cute.size(acc_S)):
@@ -429,8 +449,9 @@ class FlashBwdSm80:
         return dtanh
 
     @cute.jit
-    def probs_to_dS(self, ctx, acc_S, acc_dP, dtanh, slot):
-        """dP -> dS = P (dP - D) [* (1 - tanh^2)] in place."""
+    def probs_to_dS(self, ctx, acc_S, acc_dP, dtanh, slot, head, m_block):
+        """dP -> dS = P (dP - D) [* (1 - tanh^2)] in place; with a score_mod's derivative, through
+        it (``dtanh``: the unmodified scores)."""
         p_mn, dp_mn = acc_to_mn(acc_S), acc_to_mn(acc_dP)
         for r in cutlass.range_constexpr(cute.size(p_mn, mode=[0])):
             d_row = ctx.sD[ctx.tScS_mn[r, 0][0], slot]
@@ -438,6 +459,10 @@ class FlashBwdSm80:
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[i] = acc_dP[i] * dtanh[i]
+        if cutlass.const_expr(self.mods is not None and self.mods.grads_score):
+            mod_grads(self.mods, acc_dP, dtanh, ctx.tScS_mn, 0, m_block * self.tile_m,
+                      ctx.n_block * self.tile_n, ctx.batch, head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k,
+                      ctx.aux, ctx.aux_grads)
 
     @cute.jit
     def dQ_step(self, ctx, head, m_block):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import cutlass
 
 from cute_flash import jit, signatures
-from cute_flash.device.mods import Mods
+from cute_flash.device.mods import Mods, check_bwd_mods
 from cute_flash.problem import Problem
 
 # (tile_m, tile_n, num_threads, num_stages) of the forward per max(hdim, hdim_v): the fastest
@@ -193,13 +193,18 @@ class BwdConfig(jit.KernelConfig):
     softcap: bool = False
     varlen: bool = False
     deterministic: bool = False
+    # A score_mod / mask_mod with its derivative and aux gradients (``device/mods.py``), on
+    # softcap's tiles (the unmodified scores stay in registers, as softcap's factor does).
+    mods: Mods | None = None
     tiles: BwdTiles | None = field(default=None)
 
     kernel_name = "bwd_sm80"
 
     def __post_init__(self) -> None:
         if self.tiles is None:
-            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v, self.softcap))
+            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v,
+                                                        self.softcap or self.mods is not None))
+        check_bwd_mods(self.mods)
 
     def build(self):
         from cute_flash.ampere.bwd import FlashBwdSm80
@@ -217,7 +222,7 @@ class BwdConfig(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         return signatures.bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen,
-                                             self.deterministic)
+                                             self.deterministic, mods=self.mods)
 
 
 @dataclass(frozen=True)
@@ -255,5 +260,6 @@ def fwd_plan(p: Problem) -> FwdConfig:
 def bwd_plan(p: Problem) -> tuple[BwdPreConfig, BwdConfig, BwdPostConfig]:
     """(preprocess, main, postprocess) of one backward problem."""
     main = BwdConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                     local=p.local, softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+                     local=p.local, softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic,
+                     mods=p.mods)
     return main.pre(dlse=p.dlse), main, main.post()

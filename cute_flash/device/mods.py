@@ -23,6 +23,7 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -48,25 +49,46 @@ def callable_key(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}#{h.hexdigest()[:16]}"
 
 
+class Mod(NamedTuple):
+    """A mod as the built-ins return it: the DSL function compiled into the kernels, its torch form
+    (CPU tensors and ``attention_ref``) and, for a score_mod, its derivative (``bwd``: the
+    backward's ``score_mod_bwd``)."""
+
+    dsl: Callable
+    torch: Callable | None = None
+    bwd: Callable | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class Mods:
-    """What a forward compiles in: the mods and the element types and ranks of the aux tensors
-    (``aux``: (dtype name, rank) each). Equal (and hashed) by ``key``."""
+    """What a kernel compiles in: the mods, the element types and ranks of the aux tensors
+    (``aux``: (dtype name, rank) each) and, for a backward, the score_mod's derivative and which
+    aux tensors get a gradient (``aux_grads``: one flag per aux). Equal (and hashed) by ``key``."""
 
     score_mod: Callable | None = None
     mask_mod: Callable | None = None
     aux: tuple[tuple[str, int], ...] = ()
+    score_mod_bwd: Callable | None = None
+    aux_grads: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.score_mod is None and self.mask_mod is None:
             raise ValueError("Mods: a score_mod, a mask_mod or both")
         if len(self.aux) > MAX_AUX:
             raise ValueError(f"at most {MAX_AUX} aux tensors, got {len(self.aux)}")
+        if self.aux_grads and len(self.aux_grads) != len(self.aux):
+            raise ValueError("aux_grads: one flag per aux tensor")
+        if any(self.aux_grads) and self.score_mod_bwd is None:
+            raise ValueError("aux gradients come from the score_mod's derivative (score_mod_bwd)")
 
     @property
     def key(self) -> str:
-        names = [callable_key(f) if f is not None else "-" for f in (self.score_mod, self.mask_mod)]
-        return f"score={names[0]},mask={names[1]},aux={self.aux}"
+        fns = (self.score_mod, self.mask_mod, self.score_mod_bwd)
+        names = [callable_key(f) if f is not None else "-" for f in fns]
+        key = f"score={names[0]},mask={names[1]},aux={self.aux}"
+        if self.score_mod_bwd is not None or any(self.aux_grads):
+            key += f",bwd={names[2]},grads={self.aux_grads}"
+        return key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mods) and other.key == self.key
@@ -77,55 +99,145 @@ class Mods:
     def __repr__(self) -> str:
         return f"Mods({self.key})"
 
+    @property
+    def grads_score(self) -> bool:
+        """The backward runs the score_mod's derivative (and keeps the unmodified scores for it)."""
+        return self.score_mod is not None and self.score_mod_bwd is not None
+
+
+def aligned_grads(mods: Mods | None, grads: tuple) -> tuple:
+    """A backward kernel's aux gradients, given without the Nones, back at their aux positions
+    (None where the call asked for none): what ``score_mod_bwd`` sees as ``aux_grads``."""
+    if mods is None:
+        return ()
+    it = iter(grads)
+    flags = mods.aux_grads or (False,) * len(mods.aux)
+    return tuple(next(it) if flag else None for flag in flags)
+
+
+def check_bwd_mods(mods: Mods | None) -> None:
+    """A backward compiles a score_mod only with its derivative."""
+    if mods is not None and mods.score_mod is not None and mods.score_mod_bwd is None:
+        raise ValueError("a backward with a score_mod needs its derivative (score_mod_bwd)")
+
+
+@cute.jit
+def grad_add(t: cute.Tensor, coord, value: Float32) -> None:
+    """t[coord] += value, atomically: how a ``score_mod_bwd`` accumulates an aux tensor's gradient
+    (many scores read one table entry)."""
+    cute.arch.atomic_add(t.iterator + cute.crd2idx(coord, t.layout), value)
+
+
+def _axis_index(pos: Int32, base: Int32, is_query: bool, head: Int32, pack: int, seqlen: Int32):
+    """(head, position) of tile-local ``pos`` on the query or the key axis, the position clamped to
+    the sequence (so that the mods' table reads stay in range)."""
+    idx = base + pos
+    h = head
+    if is_query and pack > 1:
+        h, idx = head * pack + idx % pack, idx // pack
+    return h, cutlass.min(idx, seqlen - 1)
+
+
+def _each_score(fn: Callable, acc_mn: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32, k0: Int32,
+                head: Int32, pack: int, seqlen_q: Int32, seqlen_k: Int32) -> None:
+    """``fn(r, c, h, q_idx, kv_idx)`` over every element of an (rows, cols) accumulator view, whose
+    tile-local coordinates ``coords`` hold the query on mode ``q_mode`` (the backward's S^T holds
+    it on the columns). Column by column: what a mod reads per column is used by the thread's rows
+    right away, not held in registers across the whole block."""
+    # (Plain Python, called while a kernel traces: its loops unroll.)
+    rows = cute.size(acc_mn, mode=[0])
+    row_base, row_len = (q0, seqlen_q) if q_mode == 0 else (k0, seqlen_k)
+    col_base, col_len = (k0, seqlen_k) if q_mode == 0 else (q0, seqlen_q)
+    row_idx = [_axis_index(coords[r, 0][0], row_base, q_mode == 0, head, pack, row_len) for r in range(rows)]
+    for c in range(cute.size(acc_mn, mode=[1])):
+        col_h, col_idx = _axis_index(coords[0, c][1], col_base, q_mode == 1, head, pack, col_len)
+        for r in range(rows):
+            if q_mode == 0:
+                fn(r, c, row_idx[r][0], row_idx[r][1], col_idx)
+            else:
+                fn(r, c, col_h, col_idx, row_idx[r][1])
+
+
+def mod_scores(mods: Mods, acc_S: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32, k0: Int32,
+               batch: Int32, head: Int32, pack: int, seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
+               softmax_scale: Float32, pre: cute.Tensor | None = None) -> None:
+    """``mods`` on one S (or S^T) block in place: with a score_mod the scores leave scaled (the
+    softmax then takes log2(e) as its scale); with a mask_mod the keys it rejects become -inf.
+    ``coords``: the tile-local coordinates of ``acc_S``'s elements in (rows, cols) form; ``q0`` /
+    ``k0``: the block's first query / key; ``head``: the query head, or with packed GQA the KV
+    head (row r is query head head * pack + r % pack). ``pre``: where the backward keeps the
+    scores the score_mod saw (its derivative reads them). (Plain Python, called while a kernel
+    traces.)"""
+    acc_mn = acc_to_mn(acc_S)
+    pre_mn = acc_to_mn(pre) if pre is not None else None
+
+    def one(r, c, h, q_idx, kv_idx):
+        if mods.score_mod is not None:
+            score = acc_mn[r, c] * softmax_scale
+            if pre_mn is not None:
+                pre_mn[r, c] = score
+            acc_mn[r, c] = mods.score_mod(score, batch, h, q_idx, kv_idx, aux)
+        if mods.mask_mod is not None:
+            keep = mods.mask_mod(batch, h, q_idx, kv_idx, aux)
+            acc_mn[r, c] = cutlass.select_(keep, acc_mn[r, c], -Float32.inf)
+
+    _each_score(one, acc_mn, coords, q_mode, q0, k0, head, pack, seqlen_q, seqlen_k)
+
+
+def mod_grads(mods: Mods, acc_dS: cute.Tensor, pre: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32,
+              k0: Int32, batch: Int32, head: Int32, seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
+              aux_grads: tuple) -> None:
+    """The score_mod's chain rule on one dS (or dS^T) block in place: dS <- score_mod_bwd(dS, the
+    score it saw, ...), which may also add into ``aux_grads`` (``grad_add``)."""
+    ds_mn, pre_mn = acc_to_mn(acc_dS), acc_to_mn(pre)
+
+    def one(r, c, h, q_idx, kv_idx):
+        ds_mn[r, c] = mods.score_mod_bwd(ds_mn[r, c], pre_mn[r, c], batch, h, q_idx, kv_idx, aux, aux_grads)
+
+    _each_score(one, ds_mn, coords, q_mode, q0, k0, head, 1, seqlen_q, seqlen_k)
+
 
 @cute.jit
 def apply_mods(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
                tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32, head: Int32,
                pack: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
                softmax_scale: Float32) -> None:
-    """``mods`` on one S block in place: with a score_mod the scores leave scaled (the softmax then
-    takes log2(e) as its scale); with a mask_mod the keys it rejects become -inf. ``head``: the
-    query head, or with packed GQA the KV head (row r is query head head * pack + r % pack)."""
-    acc_mn = acc_to_mn(acc_S)
+    """``mod_scores`` on a forward's S block (queries on the rows) of query block ``m_block`` and
+    K/V block ``n_block``."""
     coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
-    rows = cute.size(acc_mn, mode=[0])
-    heads, q_idxs = [], []
-    for r in cutlass.range_constexpr(rows):  # (unrolled: plain Python lists)
-        row = m_block * tile_m + coords[r, 0][0]
-        h, q_idx = head, row
-        if cutlass.const_expr(pack > 1):
-            h, q_idx = head * pack + row % pack, row // pack
-        heads.append(h)
-        q_idxs.append(cutlass.min(q_idx, seqlen_q - 1))
-    # Column by column: what a mod reads per key is used by the thread's rows right away, not held
-    # in registers across the whole block.
-    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-        kv_idx = cutlass.min(n_block * tile_n + coords[0, c][1], seqlen_k - 1)
-        for r in cutlass.range_constexpr(rows):
-            if cutlass.const_expr(mods.score_mod is not None):
-                score = acc_mn[r, c] * softmax_scale
-                acc_mn[r, c] = mods.score_mod(score, batch, heads[r], q_idxs[r], kv_idx, aux)
-            if cutlass.const_expr(mods.mask_mod is not None):
-                if not mods.mask_mod(batch, heads[r], q_idxs[r], kv_idx, aux):
-                    acc_mn[r, c] = -Float32.inf
+    mod_scores(mods, acc_S, coords, 0, m_block * tile_m, n_block * tile_n, batch, head, pack, seqlen_q,
+               seqlen_k, aux, softmax_scale)
 
 
 # ---------------------------------------------------------------------------------------------
-# Built-in mods: each factory returns (the DSL function, its torch form for ``attention_ref``).
-# ``at``: the position of the mod's tensor in ``aux``.
+# Built-in mods: each factory returns a ``Mod`` (the DSL function, its torch form and, for a
+# score_mod, its derivative). ``at``: the position of the mod's tensor in ``aux``.
+#
+#     score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads) -> grad of the score
+#
+# ``grad``: the loss's gradient with respect to the score_mod's output, ``score`` its input;
+# ``aux_grads``: per aux tensor, its fp32 gradient (same shape) where the call asked for one, else
+# None; add into it with ``grad_add``.
 # ---------------------------------------------------------------------------------------------
-def alibi(at: int = 0) -> tuple[Callable, Callable]:
-    """score + slope[h] * (kv_idx - q_idx); aux[at]: (H,) float32 slopes."""
+def alibi(at: int = 0) -> Mod:
+    """score + slope[h] * (kv_idx - q_idx); aux[at]: (H,) float32 slopes (learnable: their
+    gradient sums grad * (kv_idx - q_idx))."""
     @cute.jit
     def score_mod(score, b, h, q_idx, kv_idx, aux):
         return score + aux[at][h] * (kv_idx - q_idx).to(Float32)
 
     def torch_mod(score, b, h, q_idx, kv_idx, aux):
         return score + aux[at][h] * (kv_idx - q_idx)
-    return score_mod, torch_mod
+
+    @cute.jit
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+        if cutlass.const_expr(aux_grads[at] is not None):
+            grad_add(aux_grads[at], (h,), grad * (kv_idx - q_idx).to(Float32))
+        return grad
+    return Mod(score_mod, torch_mod, score_mod_bwd)
 
 
-def relative_bias(max_distance: int, at: int = 0) -> tuple[Callable, Callable]:
+def relative_bias(max_distance: int, at: int = 0) -> Mod:
     """score + table[h, clamp(kv_idx - q_idx, -D, D) + D]; aux[at]: (H, 2 D + 1) float32, D =
     ``max_distance`` (a learnable relative-position table, T5 / Swin style without buckets)."""
     d = max_distance
@@ -137,10 +249,17 @@ def relative_bias(max_distance: int, at: int = 0) -> tuple[Callable, Callable]:
 
     def torch_mod(score, b, h, q_idx, kv_idx, aux):
         return score + aux[at][h, (kv_idx - q_idx).clamp(-d, d) + d]
-    return score_mod, torch_mod
+
+    @cute.jit
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+        if cutlass.const_expr(aux_grads[at] is not None):
+            rel = cutlass.max(cutlass.min(kv_idx - q_idx, Int32(d)), Int32(-d)) + d
+            grad_add(aux_grads[at], (h, rel), grad)
+        return grad
+    return Mod(score_mod, torch_mod, score_mod_bwd)
 
 
-def softcap(cap: float) -> tuple[Callable, Callable]:
+def softcap(cap: float) -> Mod:
     """cap * tanh(score / cap) (Gemma-2, Grok)."""
     @cute.jit
     def score_mod(score, b, h, q_idx, kv_idx, aux):
@@ -148,10 +267,15 @@ def softcap(cap: float) -> tuple[Callable, Callable]:
 
     def torch_mod(score, b, h, q_idx, kv_idx, aux):
         return cap * (score / cap).tanh()
-    return score_mod, torch_mod
+
+    @cute.jit
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):
+        t = cute.math.tanh(score * Float32(1.0 / cap), fastmath=True)
+        return grad * (Float32(1.0) - t * t)
+    return Mod(score_mod, torch_mod, score_mod_bwd)
 
 
-def document(at: int = 0) -> tuple[Callable, Callable]:
+def document(at: int = 0) -> Mod:
     """Keys of the query's own document: aux[at] (B, N) int32 document ids per position."""
     @cute.jit
     def mask_mod(b, h, q_idx, kv_idx, aux):
@@ -160,10 +284,10 @@ def document(at: int = 0) -> tuple[Callable, Callable]:
     def torch_mod(b, h, q_idx, kv_idx, aux):
         ids = aux[at]
         return ids[b, q_idx] == ids[b, kv_idx]
-    return mask_mod, torch_mod
+    return Mod(mask_mod, torch_mod)
 
 
-def prefix_lm(at: int = 0) -> tuple[Callable, Callable]:
+def prefix_lm(at: int = 0) -> Mod:
     """Causal, except that the first prefix[b] keys are seen by every query (bidirectional
     prefix); aux[at]: (B,) int32 prefix lengths."""
     @cute.jit
@@ -172,10 +296,10 @@ def prefix_lm(at: int = 0) -> tuple[Callable, Callable]:
 
     def torch_mod(b, h, q_idx, kv_idx, aux):
         return (kv_idx <= q_idx) | (kv_idx < aux[at][b])
-    return mask_mod, torch_mod
+    return Mod(mask_mod, torch_mod)
 
 
-def sliding_window(window: int) -> tuple[Callable, Callable]:
+def sliding_window(window: int) -> Mod:
     """Causal within ``window`` keys back (q_idx - window <= kv_idx <= q_idx)."""
     @cute.jit
     def mask_mod(b, h, q_idx, kv_idx, aux):
@@ -183,10 +307,10 @@ def sliding_window(window: int) -> tuple[Callable, Callable]:
 
     def torch_mod(b, h, q_idx, kv_idx, aux):
         return (kv_idx <= q_idx) & (kv_idx >= q_idx - window)
-    return mask_mod, torch_mod
+    return Mod(mask_mod, torch_mod)
 
 
-def causal() -> tuple[Callable, Callable]:
+def causal() -> Mod:
     """kv_idx <= q_idx (top-left aligned, as FlexAttention's)."""
     @cute.jit
     def mask_mod(b, h, q_idx, kv_idx, aux):
@@ -194,4 +318,4 @@ def causal() -> tuple[Callable, Callable]:
 
     def torch_mod(b, h, q_idx, kv_idx, aux):
         return kv_idx <= q_idx
-    return mask_mod, torch_mod
+    return Mod(mask_mod, torch_mod)

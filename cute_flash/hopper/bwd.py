@@ -41,6 +41,7 @@ from cute_flash.device import waits, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, transpose_smem
+from cute_flash.device.mods import aligned_grads
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import score_scales
 from cute_flash.device.tile_scheduler import section_size, section_walk_plan
@@ -76,6 +77,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         self.num_do_stages = cfg.do_stages or cfg.stages
         self.separate_do = self.num_do_stages != self.num_stages
         self.is_causal, self.is_local, self.has_softcap = cfg.causal, cfg.local, cfg.softcap
+        self.mods = cfg.mods
         self.varlen, self.deterministic = cfg.varlen, cfg.deterministic
         self.dq_before_dk, self.ds_stages = cfg.dq_before_dk, cfg.ds_stages
         self.lpt = cfg.lpt
@@ -159,10 +161,14 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  mSemaphore: cute.Tensor | None, softmax_scale: Float32, softcap: Float32,
-                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32, stream):
-        """The sm80 main backward's signature (semaphores: deterministic mode only, else None).
-        Packed (varlen) inputs: TMA boxes start at each batch's first row; rows of the next batch
-        that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
+                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
+                 mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
+                 mAux3: cute.Tensor | None, mAuxGrad0: cute.Tensor | None, mAuxGrad1: cute.Tensor | None,
+                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, stream):
+        """The sm80 main backward's signature (semaphores: deterministic mode only, else None;
+        ``mAux*`` / ``mAuxGrad*``: the mods' aux tensors and the gradients asked for, None past the
+        last). Packed (varlen) inputs: TMA boxes start at each batch's first row; rows of the next
+        batch that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -182,8 +188,11 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         if cutlass.const_expr(self.cfg.split_heads):
             heads = mdK.shape[2]
         grid = (cute.ceil_div(seqlen_k, self.tile_n), heads, num_batch)
-        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
+        score_scale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap,
+                                               self.mods is not None and self.mods.score_mod is not None)
         scales = (softmax_scale, score_scale, scale_log2)
+        aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
+        aux_grads = tuple(g for g in (mAuxGrad0, mAuxGrad1, mAuxGrad2, mAuxGrad3) if g is not None)
         # Integer divisions by launch-invariant numbers happen here, once, not at every CTA's start
         # (``section_walk_plan``): the GQA ratio, and the longest-first walk's divisors.
         qhead_per_kv = mQ.shape[2] // heads
@@ -196,7 +205,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                                      divisor=cute.fast_divmod_create_divisor_v2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
                     mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, walk, qhead_per_kv, window_left,
-                    window_right, Storage).launch(
+                    window_right, aux, aux_grads, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
             # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
             # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
@@ -211,7 +220,8 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSemaphore: cute.Tensor | None, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom,
                tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, walk: tuple,
-               qhead_per_kv: Int32, window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
+               qhead_per_kv: Int32, window_left: Int32, window_right: Int32, aux: tuple, aux_grads: tuple,
+               Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -248,7 +258,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                              for name, layout in self.fp32_layouts().items()})
         args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
                             mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
-                            qhead_per_kv=qhead_per_kv)
+                            qhead_per_kv=qhead_per_kv, aux=aux, aux_grads=aligned_grads(self.mods, aux_grads))
         loads = warp_mma.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
                              tma_V=tma_V, tma_dO=tma_dO)
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -359,6 +369,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         ctx.tidx = tidx
         ctx.score_scale, ctx.scale_log2 = score_scale, scale_log2
         ctx.window_left, ctx.window_right = args.window_left, args.window_right
+        ctx.aux, ctx.aux_grads = args.aux, args.aux_grads
         return ctx
 
     @cute.jit
@@ -476,10 +487,10 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
             waits.wait_full(pipes.kv, v_state, self.spin_waits)
             waits.wait_full(pipes.do, state, self.spin_waits)
         wg_gemm(self.mma_sdp, acc_dP, ctx.tdPrV, ctx.tdPrdO[None, None, None, s], zero_init=True, wg_wait=1)
-        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2)
+        dtanh = self.probs(ctx, acc_S, ctx.smem.sLSE2[None, s], m_block, lse2, head)
         dsum = self.stats_regs(ctx, acc_S, ctx.smem.sDsum[None, s])
         warpgroup.wait_group(0)
-        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum)
+        self.dscores(ctx, acc_S, acc_dP, dtanh, ctx.smem.sDsum[None, s], dsum, (head, m_block))
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         convert_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)

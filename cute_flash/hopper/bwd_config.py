@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from cute_flash import jit, signatures
 from cute_flash.ampere.config import BwdPreConfig
+from cute_flash.device.mods import Mods, check_bwd_mods
 from cute_flash.device.tile_scheduler import section_size
 from cute_flash.problem import Problem
 
@@ -71,9 +72,12 @@ def sm90_bwd_tile_n(hdim: int, softcap: bool) -> int:
     return SM90_BWD_TILE_N_SOFTCAP.get(hdim, SM90_BWD_TILE_N[hdim]) if softcap else SM90_BWD_TILE_N[hdim]
 
 
-def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool) -> bool:
-    """Whether the sm90 backward runs this problem (every head dim it compiles is GPU-checked)."""
+def sm90_bwd_covers(hdim: int, hdim_v: int, softcap: bool, mods: bool = False) -> bool:
+    """Whether the sm90 backward runs this problem (every head dim it compiles is GPU-checked;
+    mods: the narrow kernel's)."""
     if hdim not in SM90_BWD_HDIMS or hdim_v not in (hdim, SM90_BWD_NARROW_V.get(hdim)):
+        return False
+    if mods and hdim > 128:
         return False
     return not softcap or hdim in SM90_BWD_SOFTCAP_HDIMS
 
@@ -91,6 +95,9 @@ class BwdSm90Config(jit.KernelConfig):
     softcap: bool = False
     varlen: bool = False
     deterministic: bool = False
+    # A score_mod / mask_mod with its derivative and aux gradients (``device/mods.py``): the narrow
+    # kernel only, on softcap's tiles (the unmodified scores stay in registers, as softcap's factor).
+    mods: Mods | None = None
     # 0 = ``SM90_BWD_TILE_M``; 80 at d = 128 is FA3's non-causal tile (dQ^T computed with the head
     # dim on M, ``hopper.bwd_dq.dq_swapab``).
     tile_m: int = 0
@@ -152,12 +159,15 @@ class BwdSm90Config(jit.KernelConfig):
         if self.hdim_v not in (self.hdim, SM90_BWD_NARROW_V.get(self.hdim)):
             raise ValueError(f"sm90 backward: d_v = {self.hdim_v} with d = {self.hdim} (d_v = d, or "
                              f"{SM90_BWD_NARROW_V})")
+        if self.mods is not None and self.hdim > 128:
+            raise ValueError("sm90 backward: score_mod / mask_mod in the narrow kernel (d <= 128) only")
+        check_bwd_mods(self.mods)
         if not self.tile_m:
             tile_m = SM90_BWD_TILE_M[self.hdim]
-            if self.softcap:
+            if self.heavy_scores:
                 tile_m = SM90_BWD_TILE_M_SOFTCAP.get(self.hdim, tile_m)
             object.__setattr__(self, "tile_m", tile_m)
-        tile_n = sm90_bwd_tile_n(self.hdim, self.softcap)
+        tile_n = sm90_bwd_tile_n(self.hdim, self.heavy_scores)
         if not self.tile_n:
             object.__setattr__(self, "tile_n", tile_n)
         if (self.hdim in SM90_BWD_DO_STAGES and self.hdim_v == self.hdim and self.split_loads is not False
@@ -170,11 +180,11 @@ class BwdSm90Config(jit.KernelConfig):
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         self._resolve_switches(narrow)
-        if self.prefetch_stats and self.softcap and narrow:
+        if self.prefetch_stats and self.heavy_scores and narrow:
             # (The wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.mask_always is None:
-            object.__setattr__(self, "mask_always", (self.hdim, bool(self.softcap)) in SM90_BWD_MASK_ALWAYS)
+            object.__setattr__(self, "mask_always", (self.hdim, self.heavy_scores) in SM90_BWD_MASK_ALWAYS)
         if self.ds_before_dv is None:
             object.__setattr__(self, "ds_before_dv",
                                narrow and (self.hdim, self.causal or self.local) in SM90_BWD_DS_BEFORE_DV)
@@ -214,18 +224,24 @@ class BwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 backward: split_loads needs d_v = d")
         if self.ds_stages not in (1, self.stages):
             raise ValueError(f"sm90 backward: ds_stages must be 1 or stages ({self.stages})")
-        if self.softcap and self.hdim == 64 and self.tile_m == 128:
-            raise ValueError("sm90 backward: softcap at head dim 64 takes tile_m = 64 (128 query rows "
-                             "spill)")
+        if self.heavy_scores and self.hdim == 64 and self.tile_m == 128:
+            raise ValueError("sm90 backward: softcap or mods at head dim 64 take tile_m = 64 (128 query "
+                             "rows spill)")
         if self.tile_n != tile_n or self.tile_m not in (64, 80, 128) or self.stages < 1:
             raise ValueError(f"sm90 backward: tile_n = {tile_n} at head dim {self.hdim} "
                              "(the warpgroups' key / head-dim split), tile_m 64, 80 or 128")
-        if self.tile_m == 80 and (self.hdim != 128 or self.softcap):
+        if self.tile_m == 80 and (self.hdim != 128 or self.heavy_scores):
             raise ValueError("sm90 backward: tile_m = 80 (dQ^T with the head dim on M, split over the "
-                             "two warpgroups) needs d = 128, no softcap (it spills)")
+                             "two warpgroups) needs d = 128, no softcap or mods (it spills)")
         if self.tile_m == 80 and (self.causal or self.local or self.deterministic):
             raise ValueError("sm90 backward: tile_m = 80 only without masks or deterministic mode "
                              "(its stmatrix dS^T spills / serialises the wgmmas there)")
+
+    @property
+    def heavy_scores(self) -> bool:
+        """Per-score state beyond S and dP (softcap's factor, a score_mod's inputs, a mask_mod's
+        reads): the smaller tiles, no statistics prefetch."""
+        return self.softcap or self.mods is not None
 
     def _wide_fa4_order(self) -> bool:
         # (Its stmatrix dK^T / dV^T goes with it: without the order, d = 192 causal spills.)
@@ -236,7 +252,7 @@ class BwdSm90Config(jit.KernelConfig):
         # (The 80-row tile takes its own schedule, ``SM90_BWD_LONG_ROWS``: these tables do not apply.)
         key = (self.hdim, self.causal or self.local) if self.tile_m != 80 else None
         wide_split = self.hdim in SM90_BWD_WIDE_SPLIT_HDIMS and self.hdim_v == self.hdim
-        auto = dict(prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.softcap) if narrow
+        auto = dict(prefetch_stats=(key in SM90_BWD_PREFETCH_STATS and not self.heavy_scores) if narrow
                     else SM90_BWD_WIDE_PREFETCH_STATS,
                     dq_writer_batch=key in SM90_BWD_DQ_WRITER_BATCH,
                     dkv_stmatrix=key in SM90_BWD_DKV_STMATRIX or self._wide_fa4_order(),
@@ -291,7 +307,7 @@ class BwdSm90Config(jit.KernelConfig):
     def fake_args(self) -> tuple:
         """Every main backward kernel's arguments (``signatures.bwd_main_fake_args``)."""
         return signatures.bwd_main_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen,
-                                             self.deterministic, self.split_heads)
+                                             self.deterministic, self.split_heads, self.mods)
 
 
 @dataclass(frozen=True)
@@ -321,7 +337,7 @@ def long_rows_overrides(problem: dict, max_seqlen_q: int) -> dict:
     deterministic mode, d_v = d, at least the head dim's threshold of query rows -- else none."""
     hdim = problem["hdim"]
     rule = SM90_BWD_LONG_ROWS.get(hdim)
-    special = any(problem.get(f) for f in ("causal", "local", "softcap", "varlen", "deterministic"))
+    special = any(problem.get(f) for f in ("causal", "local", "softcap", "varlen", "deterministic", "mods"))
     if rule is None or problem.get("hdim_v", hdim) not in (0, hdim) or special or max_seqlen_q < rule[0]:
         return {}
     return dict(rule[1])
@@ -345,7 +361,8 @@ def head_split(p: Problem, overrides: tuple = ()) -> int:
         return int(given)
     if group == 1 or not p.extents_known:
         return 1
-    ctas = -(-p.max_seqlen_k // sm90_bwd_tile_n(p.hdim, p.softcap)) * p.heads_kv * p.batch
+    tile_n = sm90_bwd_tile_n(p.hdim, p.softcap or p.mods is not None)
+    ctas = -(-p.max_seqlen_k // tile_n) * p.heads_kv * p.batch
     want = SM90_BWD_SPLIT_MIN_WAVES * p.num_sms
     return next((s for s in range(1, group + 1) if group % s == 0 and ctas * s >= want), group)
 
@@ -356,7 +373,7 @@ def plan(p: Problem, overrides: tuple = ()) -> tuple[BwdPreConfig, BwdSm90Config
     where their launch rules hold (extents known); ``overrides``: ``BwdSm90Config`` fields as
     (name, value) pairs (tuning scripts), and ``head_split``."""
     problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
-                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic, mods=p.mods)
     fixed = dict(overrides)
     fixed.pop("head_split", None)
     if "split_heads" not in fixed and head_split(p, overrides) > 1:
@@ -381,7 +398,7 @@ def compile_variants(p: Problem) -> list[jit.KernelConfig]:
     another tile at long sequences (``long_rows_overrides``), that tile's kernels too."""
     configs = list(plan(p))
     problem = dict(dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
-                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic)
+                   softcap=p.softcap, varlen=p.varlen, deterministic=p.deterministic, mods=p.mods)
     if p.heads_q > p.heads_kv:
         # (GQA: the split-group kernel whenever the extents ask for it.)
         split = BwdSm90Config(target=p.target, **problem, split_heads=True)

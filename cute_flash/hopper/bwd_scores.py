@@ -9,10 +9,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.device.layout import acc_to_mn
+from cute_flash.device.mods import mod_grads, mod_scores
 
 
 class BwdScores:
-    """Needs the kernel's ``tile_m``, ``tile_n``, ``is_causal``, ``is_local``, ``has_softcap``,
+    """Needs the kernel's ``tile_m``, ``tile_n``, ``is_causal``, ``is_local``, ``has_softcap``, ``mods``,
     ``prefetch_stats`` and ``mask_always``; the consumer context's ``tScS`` (the (key, query) or
     (query, key) coordinate of each accumulator element), ``seqlen``, ``n_block``, scales and window."""
 
@@ -66,12 +67,16 @@ class BwdScores:
         return regs[i]
 
     @cute.jit
-    def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None):
-        """P = exp2(S * c - LSE2[query]) in place (softcap: of tanh(S * score_scale)), after the
-        key-range / causal / window mask; S^T here (keys on the accumulator's rows), S in the wide
-        kernel (``stat_mode``). Padding query rows have LSE2 = +inf (preprocess), so their P is 0.
-        Returns 1 - tanh^2 (softcap's chain-rule factor) or None."""
+    def probs(self, ctx, acc_S, sLSE2, m_block: Int32, lse2_regs=None, head: Int32 | None = None):
+        """P = exp2(S * c - LSE2[query]) in place (softcap: of tanh(S * score_scale); mods: of
+        the modified scores of query head ``head``), after the key-range / causal / window mask;
+        S^T here (keys on the accumulator's rows), S in the wide kernel (``stat_mode``). Padding
+        query rows have LSE2 = +inf (preprocess), so their P is 0. Returns what the chain rule
+        needs (``dscores``): 1 - tanh^2 with softcap, the unmodified scores with a score_mod's
+        derivative, else None."""
         dtanh = self.softcap_scores(ctx, acc_S)
+        if cutlass.const_expr(self.mods is not None):
+            dtanh = self.mods_scores(ctx, acc_S, m_block, head)
         bounds = self.mask_bounds(ctx, m_block)
         # By default only edge blocks (diagonal / window band, the partial last K/V block) pay for
         # the mask. ``mask_always`` masks every block instead: the compare-and-select per score
@@ -160,6 +165,18 @@ class BwdScores:
         return dtanh
 
     @cute.jit
+    def mods_scores(self, ctx, acc_S, m_block: Int32, head: Int32):
+        """The score_mod / mask_mod on S (S^T) in place; returns the scores the score_mod saw when
+        its derivative will need them (fp32, like the accumulator), else None."""
+        pre = None
+        if cutlass.const_expr(self.mods.grads_score):
+            pre = cute.make_rmem_tensor_like(acc_S, Float32)
+        mod_scores(self.mods, acc_S, ctx.tScS, self.stat_mode, m_block * self.tile_m,
+                   ctx.n_block * self.tile_n, ctx.batch, head, 1, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k,
+                   ctx.aux, ctx.score_scale, pre)
+        return pre
+
+    @cute.jit
     def softcap_grad(self, acc_dS, dtanh):
         """dS *= 1 - tanh^2 (softcap only)."""
         if cutlass.const_expr(self.has_softcap):
@@ -178,8 +195,10 @@ class BwdScores:
         return cute.math.exp2(cutlass.select_(ok, x, -Float32.inf), fastmath=True)
 
     @cute.jit
-    def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None):
-        """dS^T = P^T * (dP^T - D[query]) [* (1 - tanh^2)] into ``acc_dP``."""
+    def dscores(self, ctx, acc_S, acc_dP, dtanh, sDsum, dsum_regs=None, where=None):
+        """dS^T = P^T * (dP^T - D[query]) [* (1 - tanh^2)] into ``acc_dP``; with a score_mod's
+        derivative, through it (``where``: the block's (query head, query block); ``dtanh``: the
+        unmodified scores, ``probs``)."""
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
@@ -187,4 +206,9 @@ class BwdScores:
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = p[r, c] * (dp[r, c] - dsum)
         self.softcap_grad(acc_dP, dtanh)
+        if cutlass.const_expr(self.mods is not None and self.mods.grads_score):
+            head, m_block = where
+            mod_grads(self.mods, acc_dP, dtanh, ctx.tScS, self.stat_mode, m_block * self.tile_m,
+                      ctx.n_block * self.tile_n, ctx.batch, head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k,
+                      ctx.aux, ctx.aux_grads)
 
