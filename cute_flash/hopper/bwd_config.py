@@ -184,7 +184,9 @@ class BwdSm90Config(jit.KernelConfig):
             # (The wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.mask_always is None:
-            object.__setattr__(self, "mask_always", (self.hdim, self.heavy_scores) in SM90_BWD_MASK_ALWAYS)
+            # (With mods: one copy of the exponentials, not two around a branch -- the copies spill.)
+            always = (self.hdim, self.heavy_scores) in SM90_BWD_MASK_ALWAYS or self.mods is not None
+            object.__setattr__(self, "mask_always", always)
         if self.ds_before_dv is None:
             object.__setattr__(self, "ds_before_dv",
                                narrow and (self.hdim, self.causal or self.local) in SM90_BWD_DS_BEFORE_DV)

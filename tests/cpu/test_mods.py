@@ -104,6 +104,56 @@ def test_each_builtin_compiles_into_both_forwards(name: str, family: str) -> Non
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, (fn, res)
 
 
+def _bwd_mods(name: str, grads: bool) -> m.Mods:
+    mod = {"alibi": m.alibi(), "relative_bias": m.relative_bias(64), "softcap": m.softcap(30.0),
+           "document": m.document(), "prefix_lm": m.prefix_lm(),
+           "sliding_window": m.sliding_window(256)}[name]
+    fwd = BUILTINS[name]
+    if fwd.score_mod is None:
+        return m.Mods(mask_mod=mod.dsl, aux=fwd.aux, aux_grads=(False,) * len(fwd.aux))
+    return m.Mods(score_mod=mod.dsl, aux=fwd.aux, score_mod_bwd=mod.bwd, aux_grads=(grads,) * len(fwd.aux))
+
+
+def _bwd_config(mods: m.Mods, family: str):
+    from cute_flash.ampere.config import BwdConfig
+    from cute_flash.hopper.bwd_config import BwdSm90Config
+
+    if family == "sm90":
+        return BwdSm90Config(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, mods=mods)
+    return BwdConfig(target="sm_80", dtype="bf16", hdim=128, hdim_v=128, causal=True, mods=mods)
+
+
+@pytest.mark.parametrize("name,family", [
+    pytest.param(name, family, id=f"{name}-{family}",
+                 marks=() if (name, family) == ("relative_bias", "sm90") else pytest.mark.slow)
+    for name in BUILTINS for family in ("sm90", "sm80")])
+def test_each_builtin_compiles_into_both_backwards(name: str, family: str) -> None:
+    from cute_flash.tools import inspect as ins
+
+    ptx, cubin = jit.compile_artifacts(_bwd_config(_bwd_mods(name, grads=False), family))
+    assert "ld.local" not in ptx
+    # (The relative-bias table's per-score gather leaves ptxas one register pair short in the sm90
+    # causal kernel: 8 bytes of stack. Anything more is a regression.)
+    stack = 8 if (name, family) == ("relative_bias", "sm90") else 0
+    if ins.tools_dir() is not None:
+        for fn, res in ins.cubin_sass_and_usage(cubin)[1].items():
+            assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) <= stack, (fn, res)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+def test_a_learnable_table_adds_its_gradient_atomically(family: str) -> None:
+    """The relative-bias table's gradient: one atomic add per score (ptxas spills a little around
+    them in the sm90 kernel: STACK, not the PTX's local memory)."""
+    from cute_flash.tools import inspect as ins
+
+    without = jit.compile_artifacts(_bwd_config(_bwd_mods("relative_bias", grads=False), family))[0]
+    ptx = jit.compile_artifacts(_bwd_config(_bwd_mods("relative_bias", grads=True), family))[0]
+    assert "ld.local" not in ptx
+    assert ptx.count("red.") + ptx.count("atom.") >= without.count("red.") + without.count("atom.") + 16
+    assert ins is not None
+
+
 def test_the_public_functions_run_the_mods_torch_forms_on_cpu(seed: int) -> None:
     import cute_flash
 
@@ -140,11 +190,104 @@ def test_bad_mod_calls_raise_before_anything_runs(kw, err, match) -> None:
         cute_flash.flash_attn_func(q, k, v, **args)
 
 
-def test_mods_are_forward_only_for_now() -> None:
+def _dense_bias_attention(q, k, v, bias, causal=True):
+    """Plain torch: softmax(q k^T / sqrt(d) + bias, causal) v, (B, N, H, d) layout."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5 + bias
+    if causal:
+        n = q.shape[1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v)
+
+
+def test_gradients_reach_q_k_v_and_a_learnable_bias_table(seed: int) -> None:
     import cute_flash
 
     q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
-    with pytest.raises(NotImplementedError, match="forward only"):
-        cute_flash.flash_attn_func(q, k, v, mask_mod=m.causal())
+    table = torch.randn(4, 2 * 8 + 1, dtype=torch.float32, requires_grad=True)
+    out = cute_flash.flash_attn_func(q, k, v, causal=True, score_mod=m.relative_bias(8), aux=(table,))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, table), dout)
+    n = q.shape[1]
+    rel = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-8, 8) + 8
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    t64 = table.detach().double().requires_grad_()
+    want_out = _dense_bias_attention(*leaves, t64[:, rel].unsqueeze(0))
+    want = torch.autograd.grad(want_out, (*leaves, t64), dout.double())
+    torch.testing.assert_close(out, want_out.detach().to(out.dtype))
+    for g, w, t in zip(got, want, (q, k, v, table), strict=True):
+        assert g.dtype == t.dtype
+        torch.testing.assert_close(g, w.to(g.dtype))
+
+
+def test_a_user_mod_with_its_derivative_gives_its_tables_gradient(seed: int) -> None:
+    import cute_flash
+
+    def temp(score, b, h, q_idx, kv_idx, aux):
+        return score * aux[0][h]
+
+    def temp_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads):  # (the kernels' form; unused on CPU)
+        m.grad_add(aux_grads[0], (h,), grad * score)
+        return grad * aux[0][h]
+
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    tau = (torch.rand(4, dtype=torch.float32) + 0.5).requires_grad_()
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    qp, kp, vp = (t[0] for t in (q, k, v))
+    out = cute_flash.flash_attn_varlen_func(qp, kp, vp, cu, cu, 20, 20, score_mod=(temp, temp, temp_bwd),
+                                            aux=(tau,))
+    got = torch.autograd.grad(out.float().sum(), (q, tau))
+    q64, k64, v64, tau64 = (t.detach().double().requires_grad_() for t in (q, k, v, tau))
+    want = 0
+    for lo, hi in ((0, 20), (20, 37)):
+        s = torch.einsum("qhd,khd->hqk", q64[0, lo:hi], k64[0, lo:hi]) / 32 ** 0.5 * tau64.view(4, 1, 1)
+        want = want + torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v64[0, lo:hi]).sum()
+    want_q, want_tau = torch.autograd.grad(want, (q64, tau64))
+    torch.testing.assert_close(got[0], want_q.to(got[0].dtype))
+    torch.testing.assert_close(got[1], want_tau.float())
+
+
+def test_gradients_through_a_score_mod_need_its_derivative() -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    pair = m.alibi()[:2]  # (DSL function, torch function): no score_mod_bwd
+    with pytest.raises(ValueError, match="derivative"):
+        cute_flash.flash_attn_func(q, k, v, score_mod=pair, aux=(torch.rand(4),))
     with torch.no_grad():
-        cute_flash.flash_attn_func(q, k, v, mask_mod=m.causal())
+        cute_flash.flash_attn_func(q, k, v, score_mod=pair, aux=(torch.rand(4),))
+    ids = torch.zeros(2, 37, dtype=torch.int32, requires_grad=False)
+    out = cute_flash.flash_attn_func(q, k, v, mask_mod=m.document(), aux=(ids,))  # masks need none
+    out.float().sum().backward()
+    assert q.grad is not None
+
+
+def test_mods_trace_under_torch_compile_fullgraph(seed: int) -> None:
+    import cute_flash
+
+    rel = m.relative_bias(8)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    table = torch.randn(4, 17, requires_grad=True)
+
+    def loss(q, k, v, table):
+        out = cute_flash.flash_attn_func(q, k, v, causal=True, score_mod=rel, aux=(table,))
+        return out.float().square().sum()
+
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v, table).backward()
+    got = [t.grad.clone() for t in (q, table)]
+    q.grad = table.grad = None
+    loss(q, k, v, table).backward()
+    torch.testing.assert_close(got[0], q.grad)
+    torch.testing.assert_close(got[1], table.grad)
+
+
+def test_the_mods_forward_op_passes_opcheck() -> None:
+    from cute_flash import ops_mods
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(n=9, d=32))
+    slopes = torch.rand(4)
+    key = ops_mods.register_mods(m.alibi(), None)
+    args = (q, k, v, [slopes], None, None, 0, 0, 0.125, True, -1, -1, False, None, key)
+    torch.library.opcheck(torch.ops.cute_flash.mods_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    # (mods_bwd's CPU form differentiates with torch.func, which opcheck's modes do not wrap; its fake
+    # form meets its real one under torch.compile above.)
