@@ -35,6 +35,14 @@ def aux_grad_args(mods) -> tuple:
     return (*fakes, *([None] * (jit.MAX_AUX - len(fakes))))
 
 
+def blocks_arg(mods):
+    """A forward's / main backward's block mask ranges (int32 (B, H, blocks, 4), B and H possibly
+    broadcast: stride 0), or None without ``mods.block_sparse``."""
+    if mods is None or not mods.block_sparse:
+        return None
+    return jit.fake_tensor(cutlass.Int32, (jit.sym(), jit.sym(), jit.sym(), 4), leading_dim=3)
+
+
 def sinks_arg(sinks: bool):
     """The forward's (H,) fp32 sink logits, or None (the kernels then compile without them)."""
     return jit.fake_tensor(cutlass.Float32, (jit.sym(),), leading_dim=0) if sinks else None
@@ -90,7 +98,7 @@ def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, determi
                        split_heads: bool = False, mods=None) -> tuple:
     """Compile arguments of every main backward kernel (sm80 and sm90 share the call signature):
     (q, k, v, do, lse2, d, dq_accum, dk, dv, cu_q, cu_k, semaphores, softmax_scale, softcap,
-    window_left, window_right, max_seqlen_k, aux0..3, aux_grad0..3, stream). ``split_heads``: dk /
+    window_left, window_right, max_seqlen_k, aux0..3, aux_grad0..3, blocks, stream). ``split_heads``: dk /
     dv have their own head count (partial sums, a multiple of k's heads); ``mods``: the aux
     tensors' and their gradients' types (None past the last)."""
     dt = jit.DTYPES[dtype]
@@ -119,7 +127,7 @@ def bwd_main_fake_args(dtype: str, hdim: int, hdim_v: int, varlen: bool, determi
     lse2, dsum, dq_acc, sem = scratch_fakes(varlen, h, b, deterministic)
     scalars = scalar_args()
     return (q, k, v, do, lse2, dsum, dq_acc, dk, dvv, cu_q, cu_k, sem, *scalars, *aux_args(mods),
-            *aux_grad_args(mods), jit.fake_stream())
+            *aux_grad_args(mods), blocks_arg(mods), jit.fake_stream())
 
 
 def bwd_post_fake_args(dtype: str, hdim: int, varlen: bool) -> tuple:

@@ -56,7 +56,7 @@ from cute_flash.device import scratch, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_mn, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import aligned_grads, mod_grads, mod_scores
+from cute_flash.device.mods import aligned_grads, block_range, mod_grads, mod_scores, outside_full
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import score_scales
 
@@ -140,9 +140,10 @@ class FlashBwdSm80:
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
                  mAux3: cute.Tensor | None, mAuxGrad0: cute.Tensor | None, mAuxGrad1: cute.Tensor | None,
-                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, stream):
+                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, mBlocks: cute.Tensor | None,
+                 stream):
         """``mAux*`` / ``mAuxGrad*``: the mods' aux tensors and the gradients asked for (None past
-        the last)."""
+        the last); ``mBlocks``: a block mask's ranges per K/V block (``block_mask.py``), or None."""
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE2, mD, mdQaccum)]
@@ -163,7 +164,8 @@ class FlashBwdSm80:
         grid = (cute.ceil_div(seqlen_k, self.tile_n), mK.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
                     mSemaphore, softmax_scale, score_scale, scale_log2, window_left, window_right, aux,
-                    aux_grads, Storage).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+                    aux_grads, mBlocks, Storage).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                        stream=stream)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -174,7 +176,7 @@ class FlashBwdSm80:
                mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                mSemaphore: cute.Tensor | None, softmax_scale: Float32, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, aux: tuple, aux_grads: tuple,
-               Storage: cutlass.Constexpr):
+               mBlocks: cute.Tensor | None, Storage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
@@ -182,7 +184,7 @@ class FlashBwdSm80:
         if n_block * self.tile_n < seqlen.seqlen_k:
             ctx = self.make_ctx(mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mSemaphore, seqlen, Storage,
                                 score_scale, scale_log2, window_left, window_right, tidx, n_block,
-                                head_kv, batch)
+                                head_kv, batch, mBlocks)
             ctx.aux, ctx.aux_grads = aux, aligned_grads(self.mods, aux_grads)
             self.mainloop(ctx)
             self.epilogue(ctx, mdK, mdV, softmax_scale)
@@ -190,7 +192,7 @@ class FlashBwdSm80:
     @cute.jit
     def make_ctx(self, mQ, mK, mV, mdO, mLSE2, mD, mdQaccum, mSemaphore, seqlen: SeqlenInfo,
                  Storage: cutlass.Constexpr, score_scale, scale_log2, window_left, window_right, tidx,
-                 n_block, head_kv, batch):
+                 n_block, head_kv, batch, mBlocks=None):
         """Smem views, copy/MMA partitions and accumulators of this CTA (all compile-time
         layouts plus a few addresses)."""
         lay = self._layouts()
@@ -224,6 +226,11 @@ class FlashBwdSm80:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                window_left, window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
+        full = None
+        if cutlass.const_expr(mBlocks is not None):
+            # (Per K/V head: the union over its query heads. Deterministic mode refuses block masks.)
+            ranges = block_range(mBlocks, batch, head_kv, n_block, m_block_min, m_block_max)
+            m_block_min, m_block_max, full = ranges[0], ranges[1], ranges[2:]
         # Previous K/V block's query range: in deterministic mode it says whether block n-1 added
         # into a query block before us (the ranges of consecutive K/V blocks overlap in one
         # interval because both bounds are non-decreasing in n).
@@ -262,7 +269,7 @@ class FlashBwdSm80:
             score_scale=score_scale, scale_log2=scale_log2,
             mask=AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right),
             m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min, prev_max=prev_max,
-            right_end=right_end, left_start=left_start,
+            right_end=right_end, left_start=left_start, full=full,
             # q heads of this kv head's group: [head_begin, head_begin + group)
             group=mQ.shape[2] // mK.shape[2],
         )
@@ -428,9 +435,16 @@ class FlashBwdSm80:
         if cutlass.const_expr(self.mods is not None):
             if cutlass.const_expr(self.mods.grads_score):
                 dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
-            mod_scores(self.mods, acc_S, ctx.tScS_mn, 0, m_block * self.tile_m, ctx.n_block * self.tile_n,
-                       ctx.batch, head, 1, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux, ctx.score_scale,
-                       dtanh)
+            where = (ctx.tScS_mn, 0, m_block * self.tile_m, ctx.n_block * self.tile_n, ctx.batch, head, 1,
+                     ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux, ctx.score_scale)
+            if cutlass.const_expr(not self.mods.block_sparse):
+                mod_scores(self.mods, acc_S, *where, dtanh)
+            else:
+                # A block mask's full query blocks skip the mask_mod (a uniform branch per block).
+                if cutlass.const_expr(self.mods.score_mod is not None):
+                    mod_scores(self.mods.part(score=True), acc_S, *where, dtanh)
+                if outside_full(m_block, ctx.full):
+                    mod_scores(self.mods.part(score=False), acc_S, *where)
         if cutlass.const_expr(self.has_softcap):
             dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
             for i in cutlass.range_constexpr(cute.size(acc_S)):

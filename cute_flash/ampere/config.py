@@ -72,7 +72,8 @@ class FwdConfig(jit.KernelConfig):
 
     def fake_args(self) -> tuple:
         *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
-        return (*args, signatures.sinks_arg(self.sinks), *signatures.aux_args(self.mods), stream)
+        return (*args, signatures.sinks_arg(self.sinks), *signatures.aux_args(self.mods),
+                signatures.blocks_arg(self.mods), stream)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class BwdConfig(jit.KernelConfig):
         if self.tiles is None:
             object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v,
                                                         self.softcap or self.mods is not None))
-        check_bwd_mods(self.mods)
+        check_bwd_mods(self.mods, self.deterministic)
 
     def build(self):
         from cute_flash.ampere.bwd import FlashBwdSm80

@@ -19,7 +19,7 @@ from cute_flash.device import warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_frgA, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import apply_mods
+from cute_flash.device.mods import apply_mods, apply_mods_sparse, block_range
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -68,9 +68,11 @@ class FlashFwdSm80:
                  mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, mSinks: cute.Tensor | None, mAux0: cute.Tensor | None,
-                 mAux1: cute.Tensor | None, mAux2: cute.Tensor | None, mAux3: cute.Tensor | None, stream):
+                 mAux1: cute.Tensor | None, mAux2: cute.Tensor | None, mAux3: cute.Tensor | None,
+                 mBlocks: cute.Tensor | None, stream):
         """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None; ``mAux*``: the mods'
-        aux tensors (``device/mods.py``), None past the last."""
+        aux tensors (``device/mods.py``), None past the last; ``mBlocks``: a block mask's ranges
+        (``block_mask.py``), or None."""
         aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
         self._setup()
         Storage = self._storage()
@@ -80,7 +82,7 @@ class FlashFwdSm80:
                                                self.mods is not None and self.mods.score_mod is not None)
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], num_batch)
         self.kernel(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, score_scale, scale_log2,
-                    window_left, window_right, mSinks, aux, Storage).launch(
+                    window_left, window_right, mSinks, aux, mBlocks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -90,7 +92,8 @@ class FlashFwdSm80:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                score_scale: Float32, scale_log2: Float32, window_left: Int32, window_right: Int32,
-               mSinks: cute.Tensor | None, aux: tuple, Storage: cutlass.Constexpr):
+               mSinks: cute.Tensor | None, aux: tuple, mBlocks: cute.Tensor | None,
+               Storage: cutlass.Constexpr):
         # Layouts, copies and MMAs are rebuilt here: values made on the host side would live
         # outside the kernel's IR region.
         self._setup()
@@ -100,12 +103,12 @@ class FlashFwdSm80:
         # Varlen grids are sized by the longest sequence; shorter ones leave CTAs with no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:
             self.attend_tile(mQ, mK, mV, mO, mLSE, seqlen, score_scale, scale_log2, window_left,
-                             window_right, Storage, tidx, m_block, head, batch, mSinks, aux)
+                             window_right, Storage, tidx, m_block, head, batch, mSinks, aux, mBlocks)
 
     @cute.jit
     def attend_tile(self, mQ, mK, mV, mO, mLSE, seqlen: SeqlenInfo, score_scale, scale_log2,
                     window_left, window_right, Storage: cutlass.Constexpr, tidx, m_block, head, batch,
-                    mSinks: cute.Tensor | None, aux: tuple):
+                    mSinks: cute.Tensor | None, aux: tuple, mBlocks: cute.Tensor | None = None):
         # GQA/MQA: query head h reads kv head h // (H / H_kv); no K/V copies.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seqlen.q_rows(mQ, head, batch), (self.tile_m, self.hdim), (m_block, 0))
@@ -142,6 +145,10 @@ class FlashFwdSm80:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                window_left, window_right, pack=self.pack)
         n_block_min, n_block_max = self.block_range(block_info, seqlen, m_block)
+        full = None
+        if cutlass.const_expr(mBlocks is not None):
+            ranges = block_range(mBlocks, batch, head, m_block, n_block_min, n_block_max)
+            n_block_min, n_block_max, full = ranges[0], ranges[1], ranges[2:]
         mask = AttentionMask(self.tile_m, self.tile_n, seqlen, window_left, window_right, pack=self.pack)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_O, mode=[0, 0]) * cute.size(acc_O, mode=[1]))
         softmax.reset()
@@ -151,7 +158,7 @@ class FlashFwdSm80:
             s2r_V=s2r_V, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
             tKcK=tKcK, tVcV=tVcV, softmax=softmax, mask=mask, seqlen=seqlen, m_block=m_block,
             n_block_min=n_block_min, n_block_last=n_block_max - 1, score_scale=score_scale, head=head,
-            batch=batch, aux=aux)
+            batch=batch, aux=aux, full=full)
 
         # Prologue: Q and the last (possibly partial) K block in flight together.
         warp_mma.load_rows(self.copy_QK, thr_copy_QK, gQ, sQ, self.tile_m, self.hdim,
@@ -242,7 +249,11 @@ class FlashFwdSm80:
 
         warp_mma.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
                          ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
-        if cutlass.const_expr(self.mods is not None):
+        if cutlass.const_expr(ctx.full is not None):
+            apply_mods_sparse(self.mods, acc_S, ctx.thr_mma, self.tile_m, self.tile_n, ctx.m_block, n_block,
+                              ctx.batch, ctx.head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
+                              ctx.score_scale, ctx.full)
+        elif cutlass.const_expr(self.mods is not None):
             apply_mods(self.mods, acc_S, ctx.thr_mma, self.tile_m, self.tile_n, ctx.m_block, n_block,
                        ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
                        ctx.score_scale)

@@ -70,6 +70,9 @@ class Mods:
     aux: tuple[tuple[str, int], ...] = ()
     score_mod_bwd: Callable | None = None
     aux_grads: tuple[bool, ...] = ()
+    # A block mask's ranges (``block_mask.py``) narrow the blocks visited and spare the full ones
+    # the mask_mod.
+    block_sparse: bool = False
 
     def __post_init__(self) -> None:
         if self.score_mod is None and self.mask_mod is None:
@@ -80,6 +83,8 @@ class Mods:
             raise ValueError("aux_grads: one flag per aux tensor")
         if any(self.aux_grads) and self.score_mod_bwd is None:
             raise ValueError("aux gradients come from the score_mod's derivative (score_mod_bwd)")
+        if self.block_sparse and self.mask_mod is None:
+            raise ValueError("a block mask goes with the mask_mod it was made from")
 
     @property
     def key(self) -> str:
@@ -88,7 +93,7 @@ class Mods:
         key = f"score={names[0]},mask={names[1]},aux={self.aux}"
         if self.score_mod_bwd is not None or any(self.aux_grads):
             key += f",bwd={names[2]},grads={self.aux_grads}"
-        return key
+        return key + (",sparse" if self.block_sparse else "")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mods) and other.key == self.key
@@ -98,6 +103,15 @@ class Mods:
 
     def __repr__(self) -> str:
         return f"Mods({self.key})"
+
+    def part(self, score: bool) -> Mods | None:
+        """The score_mod alone (``score``) or the mask_mod alone, as a Mods; None if absent."""
+        if (self.score_mod if score else self.mask_mod) is None:
+            return None
+        if score:
+            return Mods(score_mod=self.score_mod, aux=self.aux, score_mod_bwd=self.score_mod_bwd,
+                        aux_grads=self.aux_grads)
+        return Mods(mask_mod=self.mask_mod, aux=self.aux)
 
     @property
     def grads_score(self) -> bool:
@@ -115,10 +129,13 @@ def aligned_grads(mods: Mods | None, grads: tuple) -> tuple:
     return tuple(next(it) if flag else None for flag in flags)
 
 
-def check_bwd_mods(mods: Mods | None) -> None:
-    """A backward compiles a score_mod only with its derivative."""
+def check_bwd_mods(mods: Mods | None, deterministic: bool) -> None:
+    """A backward compiles a score_mod only with its derivative, and a block mask not in
+    deterministic mode (whose add order assumes the unmasked query-block ranges)."""
     if mods is not None and mods.score_mod is not None and mods.score_mod_bwd is None:
         raise ValueError("a backward with a score_mod needs its derivative (score_mod_bwd)")
+    if mods is not None and mods.block_sparse and deterministic:
+        raise ValueError("deterministic mode does not take a block mask yet")
 
 
 @cute.jit
@@ -207,6 +224,39 @@ def apply_mods(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cut
     coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
     mod_scores(mods, acc_S, coords, 0, m_block * tile_m, n_block * tile_n, batch, head, pack, seqlen_q,
                seqlen_k, aux, softmax_scale)
+
+
+@cute.jit
+def block_range(mBlocks: cute.Tensor, batch: Int32, head: Int32, block: Int32, lo: Int32, hi: Int32):
+    """A block mask's ranges (``block_mask.BlockMask.kernel_ranges``) for query block ``block``
+    (backward: key block): (lo, hi) narrowed to the blocks with any visible pair, and the [first,
+    end) of the full blocks, where the mask_mod's work is skipped."""
+    b = cutlass.min(block, mBlocks.shape[2] - 1)  # (tiles past a short sequence's end)
+    lo = cutlass.max(lo, mBlocks[batch, head, b, 0])
+    hi = cutlass.min(hi, mBlocks[batch, head, b, 1])
+    return lo, hi, mBlocks[batch, head, b, 2], mBlocks[batch, head, b, 3]
+
+
+def outside_full(block: Int32, full) -> cutlass.Boolean:
+    """Whether ``block`` lies outside a block mask's run of full blocks (``block_range``): the
+    mask_mod must run on it."""
+    return (block < full[0]) | (block >= full[1])
+
+
+@cute.jit
+def apply_mods_sparse(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
+                      tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32,
+                      head: Int32, seqlen_q: Int32, seqlen_k: Int32, aux: tuple, softmax_scale: Float32,
+                      full: tuple) -> None:
+    """``apply_mods`` under a block mask: the score_mod on every block, the mask_mod only on the
+    blocks outside the run of full ones (a uniform branch per block)."""
+    score = mods.part(score=True)
+    if cutlass.const_expr(score is not None):
+        apply_mods(score, acc_S, thr_mma, tile_m, tile_n, m_block, n_block, batch, head, 1, seqlen_q,
+                   seqlen_k, aux, softmax_scale)
+    if outside_full(n_block, full):
+        apply_mods(mods.part(score=False), acc_S, thr_mma, tile_m, tile_n, m_block, n_block, batch, head, 1,
+                   seqlen_q, seqlen_k, aux, softmax_scale)
 
 
 # ---------------------------------------------------------------------------------------------

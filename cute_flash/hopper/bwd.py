@@ -41,7 +41,7 @@ from cute_flash.device import waits, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, transpose_smem
-from cute_flash.device.mods import aligned_grads
+from cute_flash.device.mods import aligned_grads, block_range
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import score_scales
 from cute_flash.device.tile_scheduler import section_size, section_walk_plan
@@ -164,11 +164,13 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
                  mAux3: cute.Tensor | None, mAuxGrad0: cute.Tensor | None, mAuxGrad1: cute.Tensor | None,
-                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, stream):
+                 mAuxGrad2: cute.Tensor | None, mAuxGrad3: cute.Tensor | None, mBlocks: cute.Tensor | None,
+                 stream):
         """The sm80 main backward's signature (semaphores: deterministic mode only, else None;
         ``mAux*`` / ``mAuxGrad*``: the mods' aux tensors and the gradients asked for, None past the
-        last). Packed (varlen) inputs: TMA boxes start at each batch's first row; rows of the next
-        batch that a box reaches are masked (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
+        last; ``mBlocks``: a block mask's ranges per K/V block, or None). Packed (varlen) inputs: TMA
+        boxes start at each batch's first row; rows of the next batch that a box reaches are masked
+        (keys) or have P = 0 (queries: LSE2 = +inf padding)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -205,7 +207,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                                      divisor=cute.fast_divmod_create_divisor_v2)
         self.kernel(mQ_tma, mK_tma, mV_tma, mdO_tma, mLSE2, mD, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
                     mSemaphore, tma_Q, tma_K, tma_V, tma_dO, scales, walk, qhead_per_kv, window_left,
-                    window_right, aux, aux_grads, Storage).launch(
+                    window_right, aux, aux_grads, mBlocks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
             # .minnctapersm 1 pins the register count at entry; without it ptxas may drop every
             # setmaxnreg (C7508: it did at d = 96 / 192) and then serialise the wgmmas.
@@ -221,7 +223,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                mSemaphore: cute.Tensor | None, tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom,
                tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom, scales: tuple, walk: tuple,
                qhead_per_kv: Int32, window_left: Int32, window_right: Int32, aux: tuple, aux_grads: tuple,
-               Storage: cutlass.Constexpr):
+               mBlocks: cute.Tensor | None, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -258,7 +260,8 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                              for name, layout in self.fp32_layouts().items()})
         args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
                             mSemaphore=mSemaphore, window_left=window_left, window_right=window_right,
-                            qhead_per_kv=qhead_per_kv, aux=aux, aux_grads=aligned_grads(self.mods, aux_grads))
+                            qhead_per_kv=qhead_per_kv, aux=aux, aux_grads=aligned_grads(self.mods, aux_grads),
+                            mBlocks=mBlocks)
         loads = warp_mma.Ctx(mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE2=mLSE2, mD=mD, tma_Q=tma_Q, tma_K=tma_K,
                              tma_V=tma_V, tma_dO=tma_dO)
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -314,6 +317,12 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local, args.window_left,
                                args.window_right)
         m_block_min, m_block_max = block_info.m_block_min_max(seqlen, n_block)
+        full = None
+        if cutlass.const_expr(args.mBlocks is not None):
+            # (Ranges per K/V head: the union over its query heads. Deterministic mode refuses them.)
+            kv = head_kv // (args.mdK.shape[2] // args.mK.shape[2]) if self.cfg.split_heads else head_kv
+            ranges = block_range(args.mBlocks, batch, kv, n_block, m_block_min, m_block_max)
+            m_block_min, m_block_max, full = ranges[0], ranges[1], ranges[2:]
         m_block_min = cutlass.min(m_block_min, m_block_max)
         # Deterministic mode: K/V blocks add into each query block in descending order of n -- in
         # causal attention the short late blocks go first and nobody waits. ``order_rank``: this
@@ -351,7 +360,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
         work = warp_mma.Ctx(n_block=n_block, head_kv=head_kv, kv_head=kv_head, batch=batch, group=group,
                             m_block_min=m_block_min, m_block_max=m_block_max, prev_min=prev_min,
                             prev_max=prev_max, prev_valid=prev_valid, order_rank=order_rank,
-                            mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan)
+                            mSemaphore=args.mSemaphore, rot=rot, rank_plan=rank_plan, full=full)
         return seqlen, work
 
     # ------------------------------------------------------------------------------------------
@@ -377,7 +386,7 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
                       do_state=None):
         """One K/V tile: every (query head, query block) that sees it, then the dK / dV epilogue."""
         ctx.seqlen, ctx.batch = seqlen, work.batch
-        ctx.n_block, ctx.head_kv = work.n_block, work.head_kv
+        ctx.n_block, ctx.head_kv, ctx.full = work.n_block, work.head_kv, work.full
         ctx.acc_dK.fill(0.0)
         ctx.acc_dV.fill(0.0)
         waits.wait_full(pipes.kv, kv_state, self.spin_waits)

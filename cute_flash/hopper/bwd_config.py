@@ -161,7 +161,7 @@ class BwdSm90Config(jit.KernelConfig):
                              f"{SM90_BWD_NARROW_V})")
         if self.mods is not None and self.hdim > 128:
             raise ValueError("sm90 backward: score_mod / mask_mod in the narrow kernel (d <= 128) only")
-        check_bwd_mods(self.mods)
+        check_bwd_mods(self.mods, self.deterministic)
         if not self.tile_m:
             tile_m = SM90_BWD_TILE_M[self.hdim]
             if self.heavy_scores:

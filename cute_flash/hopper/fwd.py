@@ -37,7 +37,7 @@ from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import apply_mods
+from cute_flash.device.mods import apply_mods, apply_mods_sparse, block_range
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -260,19 +260,20 @@ class FlashFwdSm90:
                  softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                  max_seqlen_q: Int32, mTileCounter: cute.Tensor, mSinks: cute.Tensor | None,
                  mAux0: cute.Tensor | None, mAux1: cute.Tensor | None, mAux2: cute.Tensor | None,
-                 mAux3: cute.Tensor | None, stream):
+                 mAux3: cute.Tensor | None, mBlocks: cute.Tensor | None, stream):
         """``mSinks``: (H,) fp32 sink logits (``device/sinks.py``), or None; ``mAux*``: the mods'
-        aux tensors (``device/mods.py``), None past the last."""
+        aux tensors (``device/mods.py``), None past the last; ``mBlocks``: a block mask's ranges
+        (``block_mask.py``), or None."""
         aux = tuple(a for a in (mAux0, mAux1, mAux2, mAux3) if a is not None)
         self._launch(mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale, softcap, window_left,
-                     window_right, max_seqlen_q, mTileCounter, (), stream, mSinks, aux)
+                     window_right, max_seqlen_q, mTileCounter, (), stream, mSinks, aux, mBlocks)
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                 mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                 softmax_scale: Float32, softcap: Float32, window_left: Int32, window_right: Int32,
                 max_seqlen_q: Int32, mTileCounter: cute.Tensor, extra: tuple, stream,
-                mSinks: cute.Tensor | None = None, aux: tuple = ()):
+                mSinks: cute.Tensor | None = None, aux: tuple = (), mBlocks: cute.Tensor | None = None):
         """``extra``: tensors a subclass's hooks read in the kernel (the FP8 descales)."""
         self._setup()
         Storage = self._storage()
@@ -316,7 +317,7 @@ class FlashFwdSm90:
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
                     tma_O, score_scale, scale_log2, window_left, window_right, sched.params(), mTileCounter,
-                    extra, mSinks, aux, Storage).launch(
+                    extra, mSinks, aux, mBlocks, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream)
 
@@ -341,7 +342,7 @@ class FlashFwdSm90:
                tma_O: cute.CopyAtom | None, score_scale: Float32,
                scale_log2: Float32, window_left: Int32, window_right: Int32, sched_params: tuple,
                mTileCounter: cute.Tensor, extra: tuple, mSinks: cute.Tensor | None, aux: tuple,
-               Storage: cutlass.Constexpr):
+               mBlocks: cute.Tensor | None, Storage: cutlass.Constexpr):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -371,7 +372,7 @@ class FlashFwdSm90:
         geo = warp_mma.Ctx(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, window_left=window_left,
                            window_right=window_right, sched_params=sched_params, mTileCounter=mTileCounter,
                            next_tile=storage.next_tile.get_tensor(cute.make_layout(2)), extra=extra,
-                           mSinks=mSinks, aux=aux)
+                           mSinks=mSinks, aux=aux, mBlocks=mBlocks)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -439,6 +440,9 @@ class FlashFwdSm90:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.is_causal, self.is_local,
                                geo.window_left, geo.window_right, pack=self.pack)
         n_block_min, n_block_max = block_info.n_block_min_max(seqlen, m_block)
+        if cutlass.const_expr(geo.mBlocks is not None):
+            n_block_min, n_block_max, _, _ = block_range(geo.mBlocks, batch, head, m_block, n_block_min,
+                                                         n_block_max)
         # Varlen grids are sized by the longest sequence; shorter ones leave tiles with no rows
         # (skipped by both roles alike: the condition is uniform over the CTA).
         has_rows = m_block * self.tile_m < seqlen.seqlen_q * self.pack
@@ -594,6 +598,8 @@ class FlashFwdSm90:
         """One tile: wait for Q, the K/V blocks, the epilogue, Q's buffer back to the producer."""
         ctx.seqlen, ctx.m_block, ctx.n_block_min = seqlen, m_block, n_block_min
         ctx.head, ctx.batch, ctx.aux = head, batch, geo.aux
+        if cutlass.const_expr(geo.mBlocks is not None):
+            ctx.full = block_range(geo.mBlocks, batch, head, m_block, n_block_min, n_block_max)[2:]
         ctx.mask = AttentionMask(self.tile_m, self.tile_n, seqlen, geo.window_left, geo.window_right,
                                  pack=self.pack)
         ctx.acc_O.fill(0.0)
@@ -674,7 +680,11 @@ class FlashFwdSm90:
                partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool]):
         """Mods, softcap, mask and online softmax of one S block; returns the O rescale factors."""
-        if cutlass.const_expr(self.mods is not None):
+        if cutlass.const_expr(self.mods is not None and self.mods.block_sparse):
+            apply_mods_sparse(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
+                              ctx.batch, ctx.head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
+                              ctx.score_scale, ctx.full)
+        elif cutlass.const_expr(self.mods is not None):
             apply_mods(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
                        ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
                        ctx.score_scale)

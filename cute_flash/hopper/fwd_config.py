@@ -29,6 +29,9 @@ SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool]] = {
 # K / V block of the variants with a score_mod / mask_mod: the widest that compiles every built-in
 # spill-free at d 128 (tests/cpu/test_mods.py).
 SM90_MODS_TILE_N = 96
+# A score_mod and a mask_mod together (each with its per-key reads; a block mask's per-block branch):
+# 96 keys spill there, 64 do not.
+SM90_MODS_BOTH_TILE_N = 64
 # Causal / sliding-window variants where they differ: ping-pong measured no faster there.
 SM90_FWD_TILES_MASKED: dict[int, tuple[int, int, int, int, bool]] = {
     160: (128, 96, 2, 2, False),
@@ -123,6 +126,8 @@ class FwdSm90Config(jit.KernelConfig):
         if self.mods is not None:
             # A mod's per-key values (positions, aux reads) need registers the 128-key S block uses.
             defaults["tile_n"] = min(defaults["tile_n"], SM90_MODS_TILE_N)
+            if self.mods.score_mod is not None and self.mods.mask_mod is not None:
+                defaults["tile_n"] = min(defaults["tile_n"], SM90_MODS_BOTH_TILE_N)
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
@@ -145,6 +150,8 @@ class FwdSm90Config(jit.KernelConfig):
             raise ValueError("sm90 forward: tile_m must be 64 rows per consumer warpgroup")
         if self.pack_gqa < 1 or self.tile_m % self.pack_gqa != 0 or (self.pack_gqa > 1 and self.varlen):
             raise ValueError("sm90 forward: pack_gqa must divide tile_m, and packed inputs are dense")
+        if self.pack_gqa > 1 and self.mods is not None and self.mods.block_sparse:
+            raise ValueError("sm90 forward: a block mask's ranges are per query head (no pack_gqa)")
         if self.tile_n % 16 != 0 or self.stages < 2:
             raise ValueError("sm90 forward: tile_n must be a multiple of 16 and stages >= 2")
         object.__setattr__(self, "separate_o", self.smem_bytes(separate_o=True) <= SM90_SMEM_LIMIT)
@@ -164,7 +171,7 @@ class FwdSm90Config(jit.KernelConfig):
         """The shared forward arguments plus ``tile_counter`` (int32, 1 element) before the stream."""
         *args, stream = signatures.fwd_fake_args(self.dtype, self.hdim, self.hdim_v, self.varlen)
         return (*args, jit.fake_tensor(cutlass.Int32, (1,), leading_dim=0), signatures.sinks_arg(self.sinks),
-                *signatures.aux_args(self.mods), stream)
+                *signatures.aux_args(self.mods), signatures.blocks_arg(self.mods), stream)
 
 
 def plan(p: Problem) -> FwdSm90Config:
@@ -184,7 +191,8 @@ def launch_fields(p: Problem) -> dict:
     pack = p.heads_q // p.heads_kv
     tile_m = sm90_tile(d, p.masked)[0]
     # Packed-GQA TMA boxes were checked with Q in the dense (B, N, H, d) order only.
-    if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense:
+    sparse = p.mods is not None and p.mods.block_sparse
+    if pack > 1 and tile_m % pack == 0 and p.max_seqlen_q * pack <= tile_m and p.q_dense and not sparse:
         # Decode / short prefill with GQA: the query heads of a KV head share one M tile, so each
         # K/V block is read once per KV head, and the tile is not mostly empty rows.
         fields["pack_gqa"] = pack
