@@ -12,8 +12,9 @@ from cute_flash.api import (
     flash_attn_with_kvcache,
     quantize_qkv,
 )
+from cute_flash.block_mask import BlockMask, create_block_mask
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "quantize_qkv"]
+__all__ = ["BlockMask", "__version__", "attention", "create_block_mask", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_qkv"]

@@ -9,6 +9,7 @@ import torch
 
 from cute_flash import ops as _ops  # (also registers torch.ops.cute_flash.*)
 from cute_flash import ops_fp8, ops_kvcache, ops_mods, validate
+from cute_flash.block_mask import BlockMask
 from cute_flash.formats import FP8
 
 
@@ -27,7 +28,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                     v_descale: torch.Tensor | None = None, fp8: bool = False,
                     sinks: torch.Tensor | None = None, score_mod: object = None, mask_mod: object = None,
-                    aux: Sequence[torch.Tensor] = ()
+                    aux: Sequence[torch.Tensor] = (), block_mask: BlockMask | None = None
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on (B, N, H, d) tensors.
 
@@ -50,7 +51,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     ``alibi()``). A mod is a DSL function, a (DSL function, torch function[, score_mod_bwd])
     tuple or a ``Mod``; CPU tensors need the torch form, gradients through a score_mod its
     derivative ``score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads)``, which also
-    gives the gradients of the floating-point aux tensors that require grad.
+    gives the gradients of the floating-point aux tensors that require grad. ``block_mask``: the
+    mask_mod's ``create_block_mask(mask_mod, B, H, Nq, Nk)``, made once and reused: the kernels
+    skip the blocks it leaves empty and run the full ones without the mask_mod.
 
     FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
@@ -62,9 +65,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     validate.check_call({"q": q, "k": k, "v": v}, flags)
     if sinks is not None:
         validate.check_sinks(sinks, q)
+    if block_mask is not None and mask_mod is None:
+        raise ValueError("block_mask goes with the mask_mod it was made from")
     if score_mod is not None or mask_mod is not None:
         out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, deterministic, sinks,
-                              score_mod, mask_mod, aux)
+                              score_mod, mask_mod, aux, block_mask=block_mask)
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)
@@ -120,7 +125,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                            v_descale: torch.Tensor | None = None, fp8: bool = False,
                            sinks: torch.Tensor | None = None, score_mod: object = None,
-                           mask_mod: object = None, aux: Sequence[torch.Tensor] = ()
+                           mask_mod: object = None, aux: Sequence[torch.Tensor] = (),
+                           block_mask: BlockMask | None = None
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention on packed variable-length sequences.
 
@@ -132,18 +138,20 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
     FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
     sequences. ``fp8=True`` quantizes with one scale per sequence and kv head. ``sinks``,
-    ``score_mod``, ``mask_mod`` and ``aux`` as in ``flash_attn_func`` (a mod's ``b`` is the
-    sequence, its positions count from the sequence's start).
+    ``score_mod``, ``mask_mod``, ``aux`` and ``block_mask`` as in ``flash_attn_func`` (a mod's ``b``
+    is the sequence, its positions count from the sequence's start).
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     validate.check_call(tensors, flags)
     if sinks is not None:
         validate.check_sinks(sinks, q)
+    if block_mask is not None and mask_mod is None:
+        raise ValueError("block_mask goes with the mask_mod it was made from")
     if score_mod is not None or mask_mod is not None:
         out, lse = _mods_call(q, k, v, fp8, softmax_scale, causal, window_size, softcap, deterministic, sinks,
                               score_mod, mask_mod, aux, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
-                              max_q=int(max_seqlen_q), max_k=int(max_seqlen_k))
+                              max_q=int(max_seqlen_q), max_k=int(max_seqlen_k), block_mask=block_mask)
         return (out, lse) if return_lse else out
     if fp8 or q.dtype == FP8:
         _fp8_checks(softcap, sinks)

@@ -12,6 +12,7 @@ import os
 import torch
 
 from cute_flash import dispatch, formats, jit, validate
+from cute_flash.block_mask import BlockMask
 from cute_flash.formats import E4M3_MAX, FP8
 from cute_flash.memo import HostMemo
 from cute_flash.problem import Problem
@@ -112,6 +113,33 @@ def _fwd_kernel(q: Tensor, v: Tensor, family: str, causal: bool, local: bool, so
     return hit
 
 
+def _num_seqs(q: Tensor, cu_seqlens_q: Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+
+
+def _expand_ranges(ranges: Tensor, batch: int, heads: int) -> Tensor:
+    """A block mask's ranges (B', H', blocks, 4) broadcast (stride 0) to the call's (batch, heads)."""
+    return ranges.expand(batch, heads, *ranges.shape[2:])
+
+
+def check_block_mask(blocks: BlockMask, q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None,
+                     max_seqlen_q: int | None, max_seqlen_k: int | None) -> None:
+    """A block mask must cover the call: its lengths at least the call's (per sequence with
+    cu_seqlens), its batch and head counts 1 (broadcast) or the call's, on q's device."""
+    varlen = cu_seqlens_q is not None
+    nq = max_seqlen_q if varlen else q.shape[1]
+    nk = max_seqlen_k if varlen else k.shape[1]
+    b, h = _num_seqs(q, cu_seqlens_q), q.shape[-2]
+    mb, mh = blocks.shape[:2]
+    if blocks.seqlen_q < nq or blocks.seqlen_k < nk:
+        raise ValueError(f"block_mask: made for {blocks.seqlen_q} x {blocks.seqlen_k} positions, the call "
+                         f"has {nq} x {nk}")
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"block_mask: batch / heads {mb} / {mh} must be 1 or the call's {b} / {h}")
+    if blocks.any_visible.device != q.device:
+        raise ValueError(f"block_mask is on {blocks.any_visible.device}, q on {q.device}")
+
+
 def alloc_fwd(q: Tensor, v: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
     """The forward's (out, lse), shaped and typed as the kernels write them."""
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -133,10 +161,11 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
             cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
             max_seqlen_q: int | None = None, family: str | None = None, sinks: Tensor | None = None,
-            mods: object = None, aux: tuple[Tensor, ...] = ()) -> None:
+            mods: object = None, aux: tuple[Tensor, ...] = (), blocks: BlockMask | None = None) -> None:
     """Launch the forward on validated CUDA tensors; writes ``out`` and ``lse`` in place. ``sinks``:
     (H,) fp32 sink logits (validated), or None; ``mods``: a score_mod / mask_mod (``device/mods.py``:
-    Mods, whose ``aux`` types ``aux`` has).
+    Mods, whose ``aux`` types ``aux`` has); ``blocks``: the mask_mod's block mask (``block_mask.py``;
+    ``mods.block_sparse``), checked against the call by ``check_block_mask``.
 
     q (B, Nq, H, d) | (Tq, H, d); k, v (B, Nk, Hkv, d/dv) | (Tk, Hkv, d/dv); out like q with dv;
     lse (B, H, Nq) | (H, Tq) float32. ``family``: ``sm80`` / ``sm90``, None = ``dispatch.fwd_family``.
@@ -155,9 +184,13 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
     extra = (tile_counter(cfg, q.device),) if family == "sm90" else ()
     if sinks is not None:
         sinks = sinks.contiguous()
+    ranges = None
+    if blocks is not None:
+        tm, tn = (cfg.tile_m, cfg.tile_n) if family == "sm90" else cfg.tiles[:2]
+        ranges = _expand_ranges(blocks.kernel_ranges(tm, tn), _num_seqs(q, cu_seqlens_q), q.shape[-2])
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra, sinks, *aux,
-       *([None] * (jit.MAX_AUX - len(aux))))
+       *([None] * (jit.MAX_AUX - len(aux))), ranges)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +240,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
             max_seqlen_k: int | None = None, dlse: Tensor | None = None, family: str | None = None,
             overrides: dict | None = None, mods: object = None, aux: tuple[Tensor, ...] = (),
-            aux_grads: tuple[Tensor | None, ...] = ()) -> None:
+            aux_grads: tuple[Tensor | None, ...] = (), blocks: BlockMask | None = None) -> None:
     """Launch the backward (pre, main, post) on validated CUDA tensors; writes ``dq``, ``dk``, ``dv``.
 
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
@@ -215,7 +248,8 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     gradient (float32, lse's shape, contiguous), or None. ``family``: None = ``dispatch.bwd_family``;
     ``overrides``: sm90 main config fields (tuning scripts). ``mods``: a score_mod / mask_mod with
     its derivative (``device/mods.py``: Mods) over ``aux``; ``aux_grads``: per aux tensor a zeroed
-    fp32 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None.
+    fp32 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None;
+    ``blocks``: the mask_mod's block mask (as ``run_fwd``'s).
     """
     if v.shape[-1] > q.shape[-1]:
         # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
@@ -253,9 +287,15 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
     pad = [None] * (jit.MAX_AUX - len(aux))
     grads = [g for g in aux_grads if g is not None]
+    ranges = None
+    if blocks is not None:
+        tm, tn = (cfg.tile_m, cfg.tile_n) if family == "sm90" else (cfg.tiles.tile_m, cfg.tiles.tile_n)
+        group = q.shape[-2] // k.shape[-2]
+        ranges = _expand_ranges(blocks.kernel_ranges(tm, tn, backward=True, group=group), num_batch,
+                                k.shape[-2])
     main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk, *aux, *pad, *grads,
-         *([None] * (jit.MAX_AUX - len(grads))))
+         *([None] * (jit.MAX_AUX - len(grads))), ranges)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
     if split > 1:
         # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cute_flash import launch, reference, validate
+from cute_flash.block_mask import BLOCK, BlockMask
 from cute_flash.device.mods import Mod, Mods
 from cute_flash.jit import MAX_AUX
 
@@ -70,14 +71,24 @@ def registered(key: str) -> tuple[Mod | None, Mod | None]:
     return _REGISTRY[key]
 
 
-def kernel_mods(key: str, aux: Sequence[Tensor], grads: Sequence[bool] | None = None) -> Mods:
+def kernel_mods(key: str, aux: Sequence[Tensor], grads: Sequence[bool] | None = None,
+                sparse: bool = False) -> Mods:
     """What the kernels compile for registered mods ``key`` over ``aux``: the forward's, or with
-    ``grads`` (the aux gradient flags) the backward's."""
+    ``grads`` (the aux gradient flags) the backward's; ``sparse``: with a block mask."""
     score, mask = registered(key)
     backward = grads is not None
     return Mods(score_mod=score.dsl if score else None, mask_mod=mask.dsl if mask else None,
                 aux=tuple((AUX_TYPES[t.dtype], t.dim()) for t in aux),
-                score_mod_bwd=score.bwd if score and backward else None, aux_grads=tuple(grads or ()))
+                score_mod_bwd=score.bwd if score and backward else None, aux_grads=tuple(grads or ()),
+                block_sparse=sparse)
+
+
+def _blocks(block_any: Tensor | None, block_all: Tensor | None) -> BlockMask | None:
+    """The block mask the ops carry as its two grids (its lengths were checked against the call
+    before the op: ``mods_attention``)."""
+    if block_any is None:
+        return None
+    return BlockMask(block_any, block_all, block_any.shape[2] * BLOCK, block_any.shape[3] * BLOCK)
 
 
 def check_aux(aux: Sequence[Tensor], q: Tensor) -> tuple[Tensor, ...]:
@@ -122,10 +133,11 @@ def _varlen(cu_q: Tensor | None, max_q: int, max_k: int) -> tuple[int | None, in
 def mods_fwd(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], cu_seqlens_q: Tensor | None,
              cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
              causal: bool, window_left: int, window_right: int, deterministic: bool, sinks: Tensor | None,
-             mods_key: str) -> tuple[Tensor, Tensor]:
+             block_any: Tensor | None, block_all: Tensor | None, mods_key: str) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention with the registered mods ``mods_key`` applied to the scaled scores
     before the masks; dense (B, N, H, d) or packed (cu_seqlens_*) inputs. ``deterministic`` only
-    matters to the backward."""
+    matters to the backward; ``block_any`` / ``block_all``: the mask's block mask grids, or None
+    (the kernels skip by them; the CPU form needs no skipping)."""
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     window = (window_left, window_right)
     _check(q, k, v, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_q, max_k, sinks)
@@ -141,7 +153,7 @@ def mods_fwd(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], cu_seqlens_q: T
 
 @mods_fwd.register_kernel("cuda")
 def _(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, deterministic, sinks, mods_key):
+      window_left, window_right, deterministic, sinks, block_any, block_all, mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     window = (window_left, window_right)
     _check(q, k, v, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_q, max_k, sinks)
@@ -155,13 +167,14 @@ def _(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, soft
         launch.run_fwd(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                        window_size=(window_left, window_right), cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q, sinks=sinks,
-                       mods=kernel_mods(mods_key, aux), aux=aux)
+                       mods=kernel_mods(mods_key, aux, sparse=block_any is not None), aux=aux,
+                       blocks=_blocks(block_any, block_all))
     return out, lse
 
 
 @mods_fwd.register_fake
 def _(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, deterministic, sinks, mods_key):
+      window_left, window_right, deterministic, sinks, block_any, block_all, mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     _check(q, k, v, softmax_scale, (window_left, window_right), cu_seqlens_q, cu_seqlens_k, max_q, max_k,
            sinks, check_data=False)
@@ -180,8 +193,8 @@ def _grad_shapes(aux: Sequence[Tensor], aux_grad: Sequence[bool]) -> list[Tensor
 def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: list[Tensor],
              aux_grad: list[bool], cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-             window_right: int,
-             deterministic: bool, dlse: Tensor | None, sinks: Tensor | None,
+             window_right: int, deterministic: bool, dlse: Tensor | None, sinks: Tensor | None,
+             block_any: Tensor | None, block_all: Tensor | None,
              mods_key: str) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(dq, dk, dv, fp32 gradients of the aux tensors flagged in ``aux_grad``) of ``mods_fwd``.
     On CPU: torch autograd through ``attention_ref`` with the mods' torch forms (it recomputes the
@@ -210,7 +223,8 @@ def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 @mods_bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, mods_key):
+      softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, block_any, block_all,
+      mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = _grad_shapes(aux, aux_grad)
@@ -225,14 +239,16 @@ def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_se
         launch.run_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
                        window_size=(window_left, window_right), deterministic=deterministic,
                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, dlse=dlse, mods=kernel_mods(mods_key, aux, aux_grad), aux=aux,
-                       aux_grads=aligned)
+                       max_seqlen_k=max_k, dlse=dlse, aux=aux, aux_grads=aligned,
+                       mods=kernel_mods(mods_key, aux, aux_grad, sparse=block_any is not None),
+                       blocks=_blocks(block_any, block_all))
     return dq, dk, dv, grads
 
 
 @mods_bwd.register_fake
 def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, mods_key):
+      softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, block_any, block_all,
+      mods_key):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _grad_shapes(aux, aux_grad)
 
 
@@ -240,17 +256,17 @@ def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_se
 # Autograd
 # ---------------------------------------------------------------------------------------------
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, aux, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, deterministic, sinks, key = inputs
+    q, k, v, aux, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr, deterministic, sinks, *blocks, key = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_q, cu_k, *aux)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, cu_q, cu_k, *blocks, *aux)
     ctx.params = (max_q, max_k, scale, causal, wl, wr, deterministic, key)
     ctx.aux_grad = [t.requires_grad and t.dtype in GRAD_TYPES for t in aux]
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-    q, k, v, out, lse, sinks, cu_q, cu_k, *aux = ctx.saved_tensors
-    none = (None,) * 10
+    q, k, v, out, lse, sinks, cu_q, cu_k, b_any, b_all, *aux = ctx.saved_tensors
+    none = (None,) * 12
     if dout is None and dlse is None:
         return None, None, None, [None] * len(aux), *none, None
     max_q, max_k, scale, causal, wl, wr, deterministic, key = ctx.params
@@ -258,13 +274,13 @@ def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
     dlse = None if dlse is None else dlse.float().contiguous()
     op = torch.ops.cute_flash.mods_bwd
     dq, dk, dv, grads = op(dout, q, k, v, out, lse, aux, ctx.aux_grad, cu_q, cu_k, max_q, max_k, scale,
-                           causal, wl, wr, deterministic, dlse, sinks, key)
+                           causal, wl, wr, deterministic, dlse, sinks, b_any, b_all, key)
     it = iter(grads)
     daux = [next(it).to(t.dtype) if g else None for t, g in zip(aux, ctx.aux_grad, strict=True)]
     dsinks = None
     if sinks is not None and sinks.requires_grad:
         dsinks = launch.sink_grad(sinks, out, lse, dout, dlse, cu_q is not None)
-    return dq, dk, dv, daux, None, None, None, None, None, None, None, None, None, dsinks, None
+    return dq, dk, dv, daux, None, None, None, None, None, None, None, None, None, dsinks, None, None, None
 
 
 mods_fwd.register_autograd(_backward, setup_context=_setup)
@@ -273,10 +289,10 @@ mods_fwd.register_autograd(_backward, setup_context=_setup)
 def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, window: tuple[int, int],
                    softcap: float, deterministic: bool, sinks: Tensor | None, score_mod: object,
                    mask_mod: object, aux: Sequence[Tensor], cu_q: Tensor | None = None,
-                   cu_k: Tensor | None = None, max_q: int | None = None,
-                   max_k: int | None = None) -> tuple[Tensor, Tensor]:
+                   cu_k: Tensor | None = None, max_q: int | None = None, max_k: int | None = None,
+                   block_mask: BlockMask | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention with the mods applied to the scaled scores before the masks,
-    differentiable through ``mods_fwd``."""
+    differentiable through ``mods_fwd``; ``block_mask``: the mask_mod's (``create_block_mask``)."""
     aux = check_aux(aux, q)
     if softcap != 0.0:
         raise ValueError("softcap and score_mod / mask_mod: use the softcap score_mod (device/mods.py)")
@@ -293,6 +309,15 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
     if cu_q is not None:
         max_q = int(launch.max_seqlen(cu_q, max_q)) if max_q is None else int(max_q)
         max_k = int(launch.max_seqlen(cu_k, max_k)) if max_k is None else int(max_k)
+    grids = [None, None]
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError("block_mask must be a BlockMask (create_block_mask), got "
+                            f"{type(block_mask).__name__}")
+        if mask is None:
+            raise ValueError("block_mask goes with the mask_mod it was made from")
+        launch.check_block_mask(block_mask, q, k, cu_q, max_q, max_k)
+        grids = [block_mask.any_visible, block_mask.all_visible]
     return torch.ops.cute_flash.mods_fwd(q, k, v, list(aux), cu_q, cu_k, max_q or 0, max_k or 0,
                                          float(scale), bool(causal), int(window[0]), int(window[1]),
-                                         bool(deterministic), sinks, key)
+                                         bool(deterministic), sinks, *grids, key)

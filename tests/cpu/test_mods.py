@@ -286,7 +286,7 @@ def test_the_mods_forward_op_passes_opcheck() -> None:
     q, k, v = (t.to(torch.bfloat16) for t in _qkv(n=9, d=32))
     slopes = torch.rand(4)
     key = ops_mods.register_mods(m.alibi(), None)
-    args = (q, k, v, [slopes], None, None, 0, 0, 0.125, True, -1, -1, False, None, key)
+    args = (q, k, v, [slopes], None, None, 0, 0, 0.125, True, -1, -1, False, None, None, None, key)
     torch.library.opcheck(torch.ops.cute_flash.mods_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     # (mods_bwd's CPU form differentiates with torch.func, which opcheck's modes do not wrap; its fake
