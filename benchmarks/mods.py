@@ -1,11 +1,13 @@
-"""Programmable attention, forward: our kernels with a score_mod / mask_mod compiled in, against
-FlexAttention (``torch.nn.attention.flex_attention``, compiled, with its block mask) and our plain
-causal kernel, every provider in one process, order rotated over ``--rounds``.
+"""Programmable attention, forward and backward: our kernels with a score_mod / mask_mod compiled in
+(through ``flash_attn_func``, with a block mask where there is a mask_mod), against FlexAttention
+(``torch.nn.attention.flex_attention``, compiled, with its block mask), our plain causal kernel
+and, for documents, our varlen path over the same documents; every provider in one process,
+order rotated over ``--rounds``.
 
 Problems (H 16, d 128, bf16): ALiBi, a relative-position bias table and prefix-LM on causal 8k
-(B 1), and document masking of a 16k pack of 9 documents. TFLOP/s over the visible pairs
-(4 * H * pairs * d); the mods' problems count the causal pairs (documents: the pairs within
-documents).
+(B 1), and causal document masking of a 16k pack of 9 documents. TFLOP/s over the visible pairs
+(forward 4 * H * pairs * d, backward 2.5 times that; the backward's time is forward + backward
+less the forward).
 
     python benchmarks/mods.py [--rounds 3] [--out DIR]
 """
@@ -14,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
 import torch
 
-from cute_flash import launch
+import cute_flash
 from cute_flash.device import mods as m
 
 H, D = 16, 128
@@ -32,15 +33,29 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def _flex(q, k, v, score_mod, mask_mod, n):
+def _timed(call, leaves, dout):
+    """(forward, forward + backward) closures of ``call()``, which returns the output."""
+    def fwd():
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        call().backward(dout)
+    return fwd, fwd_bwd
+
+
+def _flex(q, k, v, dout, score_mod, mask_mod, n):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention)
     block = None
     if mask_mod is not None:
         block = create_block_mask(mask_mod, q.shape[0], None, n, n, device="cuda")
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    return lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=block)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    dt = dout.transpose(1, 2)
+    return _timed(lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=block), (qt, kt, vt), dt)
 
 
 def problems(n_causal: int = 8192, n_docs: int = 16384):
@@ -70,43 +85,43 @@ def problems(n_causal: int = 8192, n_docs: int = 16384):
     def flex_doc(b, h, q_idx, kv_idx):
         return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
 
-    alibi_dsl = m.alibi()[0]
-    rel_dsl, prefix_dsl = m.relative_bias(128)[0], m.prefix_lm()[0]
-    doc_dsl = _doc_causal()
+    doc = m.document()
     return [
-        # name, N, (our Mods, aux, plain causal flag), (flex score_mod, flex mask_mod), pairs
-        ("alibi causal 8k", n_causal, (m.Mods(score_mod=alibi_dsl, aux=(("fp32", 1),)), (slopes,), True),
-         (flex_alibi, flex_causal), causal_pairs),
-        ("relative bias causal 8k", n_causal, (m.Mods(score_mod=rel_dsl, aux=(("fp32", 2),)), (table,), True),
-         (flex_rel, flex_causal), causal_pairs),
-        ("prefix-LM 8k", n_causal, (m.Mods(mask_mod=prefix_dsl, aux=(("int32", 1),)), (prefix,), False),
-         (None, flex_prefix), causal_pairs),
-        ("documents 16k (9, causal)", n_docs, (m.Mods(mask_mod=doc_dsl, aux=(("int32", 2),)), (ids,), True),
-         (None, flex_doc), doc_pairs),
+        # name, N, our call's keywords, (flex score_mod, flex mask_mod), pairs, document lengths
+        ("alibi causal 8k", n_causal, dict(score_mod=m.alibi(), aux=(slopes,), causal=True),
+         (flex_alibi, flex_causal), causal_pairs, None),
+        ("relative bias causal 8k", n_causal, dict(score_mod=m.relative_bias(128), aux=(table,), causal=True),
+         (flex_rel, flex_causal), causal_pairs, None),
+        ("prefix-LM 8k", n_causal, dict(mask_mod=m.prefix_lm(), aux=(prefix,), block=(1, n_causal)),
+         (None, flex_prefix), causal_pairs, None),
+        ("documents 16k (9, causal)", n_docs, dict(mask_mod=doc, aux=(ids,), causal=True, block=(1, n_docs)),
+         (None, flex_doc), doc_pairs, lens),
     ]
 
 
-def _doc_causal():
-    import cutlass.cute as cute
-
-    @cute.jit
-    def mask_mod(b, h, q_idx, kv_idx, aux):
-        return aux[0][b, q_idx] == aux[0][b, kv_idx]
-    del cute
-    return mask_mod
-
-
-def providers(n: int, mods, aux: tuple, causal: bool, f_score, f_mask) -> dict:
-    q, k, v = (torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = torch.empty_like(q)
-    lse = torch.empty(1, H, n, device="cuda")
-    scale = 1.0 / math.sqrt(D)
-    return {
-        "ours": lambda: launch.run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, mods=mods,
-                                       aux=aux),
-        "ours plain causal": lambda: launch.run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=True),
-        "flex": _flex(q, k, v, f_score, f_mask, n),
+def providers(n: int, kw: dict, f_score, f_mask, lens) -> dict:
+    q, k, v = (torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    kw = dict(kw)
+    block = kw.pop("block", None)
+    if block is not None:
+        kw["block_mask"] = cute_flash.create_block_mask(kw["mask_mod"], block[0], None, block[1], block[1],
+                                                        device="cuda", aux=kw["aux"])
+    fns = {
+        "ours": _timed(lambda: cute_flash.flash_attn_func(q, k, v, **kw), (q, k, v), dout),
+        "ours plain causal": _timed(lambda: cute_flash.flash_attn_func(q, k, v, causal=True), (q, k, v),
+                                    dout),
+        "flex": _flex(q, k, v, dout, f_score, f_mask, n),
     }
+    if lens is not None:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        qp, kp, vp = (t.detach()[0].requires_grad_() for t in (q, k, v))
+        mx = max(lens)
+        fns["ours varlen"] = _timed(
+            lambda: cute_flash.flash_attn_varlen_func(qp, kp, vp, cu, cu, mx, mx, causal=True), (qp, kp, vp),
+            dout[0])
+    return fns
 
 
 def main() -> None:
@@ -115,17 +130,23 @@ def main() -> None:
     ap.add_argument("--out", default="mods_out")
     args = ap.parse_args()
     rows = []
-    for name, n, (mods, aux, causal), (f_score, f_mask), pairs in problems():
-        fns = providers(n, mods, aux, causal, f_score, f_mask)
-        times: dict[str, list[float]] = {p: [] for p in fns}
+    for name, n, kw, (f_score, f_mask), pairs, lens in problems():
+        fns = providers(n, kw, f_score, f_mask, lens)
+        times: dict[str, dict[str, list[float]]] = {p: {"fwd": [], "fwd_bwd": []} for p in fns}
         names = list(fns)
         for r in range(args.rounds):
             for p in names[r % len(names):] + names[:r % len(names)]:
-                times[p].append(_bench(fns[p]))
+                times[p]["fwd"].append(_bench(fns[p][0]))
+                times[p]["fwd_bwd"].append(_bench(fns[p][1]))
         flops = 4 * H * pairs * D
-        row = {"problem": name, **{p: flops / (statistics.median(t) * 1e-3) / 1e12 for p, t in times.items()}}
+        row = {"problem": name}
+        for p, t in times.items():
+            f_ms, fb_ms = statistics.median(t["fwd"]), statistics.median(t["fwd_bwd"])
+            row[p] = {"fwd": flops / (f_ms * 1e-3) / 1e12,
+                      "bwd": 2.5 * flops / (max(fb_ms - f_ms, 1e-6) * 1e-3) / 1e12}
         rows.append(row)
-        print(f"{name}: " + "  ".join(f"{p} {row[p]:.0f}" for p in names) + " TFLOP/s", flush=True)
+        print(f"{name}: " + "  ".join(f"{p} {row[p]['fwd']:.0f}/{row[p]['bwd']:.0f}" for p in names)
+              + " TFLOP/s (fwd/bwd)", flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "mods.json").write_text(json.dumps(rows, indent=1))

@@ -155,7 +155,7 @@ def _grads(fn, q, k, v, aux, dout, sinks, learn: bool, **kw):
 
 
 def _ref(upcast: bool):
-    def fn(q, k, v, aux, sinks, score_mod=None, mask_mod=None, cu=None, causal=False):
+    def fn(q, k, v, aux, sinks, score_mod=None, mask_mod=None, cu=None, causal=False, block_mask=None):
         kw = dict(softmax_scale=1.0 / math.sqrt(D), aux=aux, sinks=sinks, causal=causal, upcast=upcast,
                   cu_seqlens_q=cu, cu_seqlens_k=cu,
                   score_mod=None if score_mod is None else score_mod[1],
@@ -164,16 +164,17 @@ def _ref(upcast: bool):
     return fn
 
 
-def _ours(q, k, v, aux, sinks, score_mod=None, mask_mod=None, cu=None, causal=False):
+def _ours(q, k, v, aux, sinks, score_mod=None, mask_mod=None, cu=None, causal=False, block_mask=None):
     import cute_flash
 
-    kw = dict(aux=aux, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, causal=causal)
+    kw = dict(aux=aux, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, causal=causal,
+              block_mask=block_mask)
     if cu is None:
         return cute_flash.flash_attn_func(q, k, v, **kw)
     return cute_flash.flash_attn_varlen_func(q, k, v, cu, cu, N, N, **kw)
 
 
-def _run_bwd(name: str, varlen: bool, with_sinks: bool, seed: int) -> None:
+def _run_bwd(name: str, varlen: bool, with_sinks: bool, seed: int, blocks: bool = False) -> None:
     make, is_score, _ = MODS[name]
     mod = m.Mod(*make())
     aux = _aux(name, N)
@@ -189,11 +190,15 @@ def _run_bwd(name: str, varlen: bool, with_sinks: bool, seed: int) -> None:
     learn = name in LEARNABLE
     kw = dict(cu=cu, causal=name in ("alibi", "relative_bias"))
     kw["score_mod" if is_score else "mask_mod"] = mod
+    if blocks:
+        import cute_flash
+
+        kw["block_mask"] = cute_flash.create_block_mask(mod, B, None, N, N, device="cuda", aux=aux)
     out, grads = _grads(_ours, q, k, v, aux, dout, sinks, learn, **kw)
     q32, k32, v32 = (t.float() for t in (q, k, v))
     r_out, r_grads = _grads(_ref(True), q32, k32, v32, aux, dout.float(), sinks, learn, **kw)
     s_out, s_grads = _grads(_ref(False), q, k, v, aux, dout, sinks, learn, **kw)
-    case = (name, varlen, with_sinks)
+    case = (name, varlen, with_sinks, blocks)
     assert_rule("out", out, r_out, s_out, FLOOR_FWD, seed, case)
     names = ["dq", "dk", "dv"] + (["daux"] if learn else []) + (["dsinks"] if with_sinks else [])
     for gname, g, r, s_ in zip(names, grads, r_grads, s_grads, strict=True):
@@ -234,3 +239,15 @@ def test_mods_train_under_torch_compile(seed: int) -> None:
     step(q, k, v, table).backward()
     for w, t in zip(want, (q, k, v, table), strict=True):
         torch.testing.assert_close(t.grad, w, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+@pytest.mark.parametrize("name,varlen", [("document", False), ("document", True), ("prefix_lm", False),
+                                         ("user_mask", False), ("sliding_window", True)])
+def test_block_masks_give_the_same_result_as_the_mask_alone(name: str, varlen: bool, family: str, seed: int,
+                                                            monkeypatch) -> None:
+    if family == "sm90" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 kernels need a Hopper GPU")
+    monkeypatch.setenv("CUTE_FLASH_FWD_KERNEL", family)
+    monkeypatch.setenv("CUTE_FLASH_BWD_KERNEL", family)
+    _run_bwd(name, varlen, False, seed, blocks=True)
