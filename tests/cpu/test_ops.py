@@ -491,4 +491,5 @@ def test_compiled_attention_with_inductor_matches_eager(seed):
 
 def test_package_exports_the_public_api():
     assert set(cute_flash.__all__) == {"__version__", "attention", "flash_attn_func",
-                                       "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_qkv"}
+                                       "flash_attn_varlen_func", "flash_attn_with_kvcache", "quantize_qkv",
+                                       "create_block_mask", "BlockMask"}

@@ -155,7 +155,7 @@ def test_call_signature_is_sm80_plus_a_tile_counter() -> None:
 
     a = FwdSm90Config(target="sm_90a").fake_args()
     b = FwdConfig(target="sm_90a").fake_args()
-    # ... max_seqlen_q, [tile_counter,] sinks, 4 aux tensors, stream
-    assert len(b) == 18 and len(a) == 19
-    # (No sinks, no mods: nothing compiled for them.)
-    assert all(x is None for x in a[-6:-1]) and all(x is None for x in b[-6:-1])
+    # ... max_seqlen_q, [tile_counter,] sinks, 4 aux tensors, block ranges, stream
+    assert len(b) == 19 and len(a) == 20
+    # (No sinks, no mods, no block mask: nothing compiled for them.)
+    assert all(x is None for x in a[-7:-1]) and all(x is None for x in b[-7:-1])
