@@ -118,8 +118,9 @@ def _num_seqs(q: Tensor, cu_seqlens_q: Tensor | None) -> int:
 
 
 def _expand_ranges(ranges: Tensor, batch: int, heads: int) -> Tensor:
-    """A block mask's ranges (B', H', blocks, 4) broadcast (stride 0) to the call's (batch, heads)."""
-    return ranges.expand(batch, heads, *ranges.shape[2:])
+    """A block mask's ranges (B', H', blocks, 4) broadcast to the call's (batch, heads), materialized
+    (a few KB: the kernels' tensors are not checked with stride-0 extents)."""
+    return ranges.expand(batch, heads, *ranges.shape[2:]).contiguous()
 
 
 def check_block_mask(blocks: BlockMask, q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None,

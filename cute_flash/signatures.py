@@ -36,8 +36,8 @@ def aux_grad_args(mods) -> tuple:
 
 
 def blocks_arg(mods):
-    """A forward's / main backward's block mask ranges (int32 (B, H, blocks, 4), B and H possibly
-    broadcast: stride 0), or None without ``mods.block_sparse``."""
+    """A forward's / main backward's block mask ranges (int32 (B, H, blocks, 4)), or None without
+    ``mods.block_sparse``."""
     if mods is None or not mods.block_sparse:
         return None
     return jit.fake_tensor(cutlass.Int32, (jit.sym(), jit.sym(), jit.sym(), 4), leading_dim=3)
