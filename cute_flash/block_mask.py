@@ -13,6 +13,7 @@ computed and masked: correct, not skipped.)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,11 @@ class BlockMask:
     seqlen_k: int
     _ranges: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        key = id(self.any_visible)
+        _BY_GRID[key] = weakref.ref(self)
+        weakref.finalize(self, _BY_GRID.pop, key, None)
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(self.any_visible.shape)
@@ -56,6 +62,19 @@ class BlockMask:
         if key not in self._ranges:
             self._ranges[key] = _ranges(self, tile_m, tile_n, backward, group)
         return self._ranges[key]
+
+
+# Live block masks by their first grid's id: the custom ops carry the two grids, and find the mask
+# (with the ranges it caches per tiling) again from them.
+_BY_GRID: dict[int, weakref.ref] = {}
+
+
+def block_mask_of(any_visible: Tensor, all_visible: Tensor) -> BlockMask | None:
+    """The ``BlockMask`` these grids belong to, if it is still alive."""
+    ref = _BY_GRID.get(id(any_visible))
+    known = ref() if ref is not None else None
+    ok = known is not None and known.any_visible is any_visible and known.all_visible is all_visible
+    return known if ok else None
 
 
 def _pool(grid: Tensor, rows: int, cols: int, pad: bool, reduce: str) -> Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cute_flash import launch, reference, validate
-from cute_flash.block_mask import BLOCK, BlockMask
+from cute_flash.block_mask import BLOCK, BlockMask, block_mask_of
 from cute_flash.device.mods import Mod, Mods
 from cute_flash.jit import MAX_AUX
 
@@ -88,6 +88,9 @@ def _blocks(block_any: Tensor | None, block_all: Tensor | None) -> BlockMask | N
     before the op: ``mods_attention``)."""
     if block_any is None:
         return None
+    known = block_mask_of(block_any, block_all)  # (its ranges cached per tiling)
+    if known is not None:
+        return known
     return BlockMask(block_any, block_all, block_any.shape[2] * BLOCK, block_any.shape[3] * BLOCK)
 
 

@@ -161,3 +161,18 @@ def test_each_main_kernel_compiles_with_a_block_mask(kind: str, family: str, bot
     if ins.tools_dir() is not None:
         for fn, res in ins.cubin_sass_and_usage(cubin)[1].items():
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) <= stack, (fn, res)
+
+
+def test_the_ops_find_a_live_block_mask_by_its_grids() -> None:
+    import gc
+    import weakref
+
+    from cute_flash.block_mask import block_mask_of
+
+    bm = create_block_mask(m.causal(), None, None, 100, 100)
+    assert block_mask_of(bm.any_visible, bm.all_visible) is bm
+    assert block_mask_of(bm.any_visible, bm.all_visible.clone()) is None
+    grid = weakref.ref(bm.any_visible)
+    del bm
+    gc.collect()
+    assert grid() is None  # (the registry keeps neither the mask nor its grids alive)
