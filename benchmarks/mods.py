@@ -1,7 +1,8 @@
 """Programmable attention, forward and backward: our kernels with a score_mod / mask_mod compiled in
 (through ``flash_attn_func``, with a block mask where there is a mask_mod), against FlexAttention
-(``torch.nn.attention.flex_attention``, compiled, with its block mask), our plain causal kernel
-and, for documents, our varlen path over the same documents; every provider in one process,
+(``torch.nn.attention.flex_attention``, compiled, with its block mask), flash-attn-4's score_mods
+where it has ours, our plain causal kernel and, for documents, our varlen path over the same
+documents; every provider in one process,
 order rotated over ``--rounds``.
 
 Problems (H 16, d 128, bf16): ALiBi, a relative-position bias table and prefix-LM on causal 8k
@@ -58,6 +59,53 @@ def _flex(q, k, v, dout, score_mod, mask_mod, n):
     return _timed(lambda: compiled(qt, kt, vt, score_mod=score_mod, block_mask=block), (qt, kt, vt), dt)
 
 
+def _fa4_mods():
+    """flash-attn-4's form of the ALiBi and relative-bias score_mods (TensorSSA values; aux reads
+    through one-element fragments, as its own tests write them), with their derivatives."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def gather(t, *idx):
+        frags = []
+        for i in idx:
+            f = cute.make_rmem_tensor(1, cutlass.Int32)
+            f.store(i)
+            frags.append(f[0])
+        val = cute.make_rmem_tensor(1, cutlass.Float32)
+        val[0] = t[tuple(frags) if len(frags) > 1 else frags[0]]
+        return val.load()
+
+    @cute.jit
+    def alibi(s, b, h, q_idx, kv_idx, seqlen_info=None, aux_tensors=None):
+        return s + gather(aux_tensors[0], h) * (kv_idx - q_idx).to(cutlass.Float32)
+
+    @cute.jit
+    def identity_bwd(g, s, b, h, q_idx, kv_idx, seqlen_info=None, aux_tensors=None):
+        return g
+
+    @cute.jit
+    def rel(s, b, h, q_idx, kv_idx, seqlen_info=None, aux_tensors=None):
+        d = kv_idx - q_idx
+        d = cute.where(d > cute.full_like(d, 128), cute.full_like(d, 128), d)
+        d = cute.where(d < cute.full_like(d, -128), cute.full_like(d, -128), d)
+        return s + gather(aux_tensors[0], h, d + cute.full_like(d, 128))
+
+    return {"alibi": (alibi, identity_bwd), "relative bias": (rel, identity_bwd)}
+
+
+def _fa4(q, k, v, dout, kind: str | None, aux: tuple):
+    """flash-attn-4 with its score_mod (causal), where it has our problem's mod; else None."""
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        return None
+    mods = _fa4_mods().get(kind)
+    if mods is None:
+        return None
+    return _timed(lambda: fa4(q, k, v, causal=True, score_mod=mods[0], score_mod_bwd=mods[1],
+                              aux_tensors=list(aux)), (q, k, v), dout)
+
+
 def problems(n_causal: int = 8192, n_docs: int = 16384):
     dev = "cuda"
     slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=dev)
@@ -99,7 +147,7 @@ def problems(n_causal: int = 8192, n_docs: int = 16384):
     ]
 
 
-def providers(n: int, kw: dict, f_score, f_mask, lens) -> dict:
+def providers(name: str, n: int, kw: dict, f_score, f_mask, lens) -> dict:
     q, k, v = (torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)
@@ -114,6 +162,10 @@ def providers(n: int, kw: dict, f_score, f_mask, lens) -> dict:
                                     dout),
         "flex": _flex(q, k, v, dout, f_score, f_mask, n),
     }
+    kind = next((x for x in ("alibi", "relative bias") if x in name), None)
+    fa4 = _fa4(q, k, v, dout, kind, kw.get("aux", ()))
+    if fa4 is not None:
+        fns["flash-attn-4"] = fa4
     if lens is not None:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         qp, kp, vp = (t.detach()[0].requires_grad_() for t in (q, k, v))
@@ -131,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for name, n, kw, (f_score, f_mask), pairs, lens in problems():
-        fns = providers(n, kw, f_score, f_mask, lens)
+        fns = providers(name, n, kw, f_score, f_mask, lens)
         times: dict[str, dict[str, list[float]]] = {p: {"fwd": [], "fwd_bwd": []} for p in fns}
         names = list(fns)
         for r in range(args.rounds):
