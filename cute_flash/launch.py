@@ -241,7 +241,8 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
             max_seqlen_k: int | None = None, dlse: Tensor | None = None, family: str | None = None,
             overrides: dict | None = None, mods: object = None, aux: tuple[Tensor, ...] = (),
-            aux_grads: tuple[Tensor | None, ...] = (), blocks: BlockMask | None = None) -> None:
+            aux_grads: tuple[Tensor | None, ...] = (), blocks: BlockMask | None = None,
+            sinks: Tensor | None = None) -> Tensor | None:
     """Launch the backward (pre, main, post) on validated CUDA tensors; writes ``dq``, ``dk``, ``dv``.
 
     q/dq/out/dout (B, Nq, H, d) | (Tq, H, d); k/v/dk/dv (B, Nk, Hkv, d) | (Tk, Hkv, d); lse float32
@@ -250,7 +251,8 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     ``overrides``: sm90 main config fields (tuning scripts). ``mods``: a score_mod / mask_mod with
     its derivative (``device/mods.py``: Mods) over ``aux``; ``aux_grads``: per aux tensor a zeroed
     fp32 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None;
-    ``blocks``: the mask_mod's block mask (as ``run_fwd``'s).
+    ``blocks``: the mask_mod's block mask (as ``run_fwd``'s). ``sinks``: the forward's sink logits;
+    their gradient is returned (from the preprocess's D: ``sink_grad_from_d``), else None.
     """
     if v.shape[-1] > q.shape[-1]:
         # dK/dV MMA tiles are sized by the qk head dim; a wider V does not fit them.
@@ -264,7 +266,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         dq.zero_()
         dk.zero_()
         dv.zero_()
-        return
+        return None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
     if family is None:
         family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0,
                                      mods is not None)
@@ -285,6 +287,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     lse2, dsum, dq_acc, sem = alloc_scratch(q, tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    dsinks = None if sinks is None else sink_grad_from_d(sinks, lse, dsum, cu_seqlens_q, tile_m)
     dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
     pad = [None] * (jit.MAX_AUX - len(aux))
     grads = [g for g in aux_grads if g is not None]
@@ -302,6 +305,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).
         for part, grad in ((dk_main, dk), (dv_main, dv)):
             torch.sum(part.unflatten(-2, (k.shape[-2], split)), dim=-2, out=grad)
+    return dsinks
 
 
 def sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None,
@@ -319,6 +323,26 @@ def sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor | None, dlse
         g = g + dlse.float()
     dims = (1,) if varlen else (0, 2)
     return (p_sink * g).sum(dims)
+
+
+def sink_grad_from_d(sinks: Tensor, lse: Tensor, dsum: Tensor, cu_seqlens_q: Tensor | None,
+                     tile_m: int) -> Tensor:
+    """``sink_grad`` from the backward preprocess's D = rowsum(dO O) - dLSE (fp32, per padded row
+    of its scratch, ``alloc_scratch``): -sum over rows of exp(sink - LSE) D, with no pass over dO
+    and O of its own. Packed rows: sequence b starts at padded row (cu_q[b] + b tile_m) // tile_m
+    * tile_m."""
+    if cu_seqlens_q is None:
+        d = dsum[..., :lse.shape[-1]]
+        return -(torch.exp(sinks.float().view(1, -1, 1) - lse) * d).sum((0, 2))
+    total = lse.shape[-1]
+    rows = torch.arange(total, device=lse.device)
+    cu = cu_seqlens_q.long()
+    seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp(max=cu.shape[0] - 2)
+    start = (cu[seq] + seq * tile_m) // tile_m * tile_m
+    valid = rows < cu[-1]  # (rows past the last sequence: no LSE, no D)
+    idx = torch.where(valid, start + rows - cu[seq], 0)
+    p = torch.where(valid, torch.exp(sinks.float().view(-1, 1) - lse), 0.0)
+    return -(p * dsum[:, idx]).sum(1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,7 +171,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_s
 def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
               causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
               cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
-              max_k: int | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              max_k: int | None = None, dlse: Tensor | None = None,
+              sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                        dlse=dlse)
@@ -179,20 +180,23 @@ def _bwd_cuda(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     if _is_empty(q, k):
         for g in (dq, dk, dv):
             g.zero_()
-        return dq, dk, dv
+        dsinks = None if sinks is None else launch.sink_grad(sinks, out, lse, dout, dlse, cu_q is not None)
+        return dq, dk, dv, _sinks_out(q, dsinks)
     kv = _kernel_view
     with torch.cuda.device(q.device):
-        launch.run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv),
-                       softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-                       deterministic=deterministic, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, dlse=None if dlse is None else dlse.contiguous())
-    return dq, dk, dv
+        dsinks = launch.run_bwd(kv(dout), kv(q), kv(k), kv(v), kv(out), lse, kv(dq), kv(dk), kv(dv),
+                                softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                deterministic=deterministic, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                dlse=None if dlse is None else dlse.contiguous(), sinks=sinks)
+    return dq, dk, dv, _sinks_out(q, dsinks)
 
 
 def _bwd_cpu(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
              causal: bool, window: tuple[int, int], softcap: float, deterministic: bool,
              cu_q: Tensor | None = None, cu_k: Tensor | None = None, max_q: int | None = None,
-             max_k: int | None = None, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             max_k: int | None = None, dlse: Tensor | None = None,
+             sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                        dlse=dlse)
@@ -202,65 +206,78 @@ def _bwd_cpu(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                                         cu_seqlens_k=cu_k, dlse=dlse)
     for dst, src in zip((dq, dk, dv), grads, strict=True):
         dst.copy_(src)
-    return dq, dk, dv
+    dsinks = None if sinks is None else launch.sink_grad(sinks, out, lse, dout, dlse, cu_q is not None)
+    return dq, dk, dv, _sinks_out(q, dsinks)
 
 
 def _bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
               window: tuple[int, int], softcap: float, cu_q: Tensor | None = None, cu_k: Tensor | None = None,
-              max_q: int | None = None, max_k: int | None = None,
-              dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              max_q: int | None = None, max_k: int | None = None, dlse: Tensor | None = None,
+              sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     validate.check_bwd(dout, q, k, v, out, lse, softmax_scale=scale, window_size=window, softcap=softcap,
                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                        dlse=dlse, check_data=False)
-    return _alloc_bwd(q, k, v)
+    dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
+    return (*_alloc_bwd(q, k, v), _sinks_out(q, dsinks))
+
+
+def _sinks_out(q: Tensor, dsinks: Tensor | None) -> Tensor:
+    """The backward ops' fourth output: the sinks' fp32 gradient, or an empty tensor without sinks
+    (an op's outputs cannot be None)."""
+    return dsinks if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @torch.library.custom_op("cute_flash::bwd", mutates_args=(), device_types="cpu")
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
         causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool = False, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward on (B, N, H, d) inputs: (dq, dk, dv) shaped like q, k, v. ``dlse``: the
-    gradient of the forward's LSE output (float32, lse's shape), or None."""
+        deterministic: bool = False, dlse: Tensor | None = None,
+        sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Attention backward on (B, N, H, d) inputs: (dq, dk, dv, dsinks), the first three shaped like
+    q, k, v. ``dlse``: the gradient of the forward's LSE output (float32, lse's shape), or None;
+    ``sinks``: the forward's sink logits, whose fp32 gradient is the fourth output (empty
+    without)."""
     return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                    deterministic, dlse=dlse)
+                    deterministic, dlse=dlse, sinks=sinks)
 
 
 @bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-      deterministic=False, dlse=None):
+      deterministic=False, dlse=None, sinks=None):
     return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                     deterministic, dlse=dlse)
+                     deterministic, dlse=dlse, sinks=sinks)
 
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-      deterministic=False, dlse=None):
-    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap, dlse=dlse)
+      deterministic=False, dlse=None, sinks=None):
+    return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap, dlse=dlse,
+                     sinks=sinks)
 
 
 @torch.library.custom_op("cute_flash::varlen_bwd", mutates_args=(), device_types="cpu")
 def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int, window_right: int, softcap: float,
-               deterministic: bool = False, dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward on packed (total, H, d) inputs: (dq, dk, dv) shaped like q, k, v. ``dlse``:
+               deterministic: bool = False, dlse: Tensor | None = None,
+               sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Attention backward on packed (total, H, d) inputs: (dq, dk, dv, dsinks) as ``bwd``'s. ``dlse``:
     the gradient of the forward's LSE output (float32, (H, total)), or None."""
     return _bwd_cpu(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
+                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse, sinks)
 
 
 @varlen_bwd.register_kernel("cuda")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic=False, dlse=None):
+      window_left, window_right, softcap, deterministic=False, dlse=None, sinks=None):
     return _bwd_cuda(dout, q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
-                     deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
+                     deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse, sinks)
 
 
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, softcap, deterministic=False, dlse=None):
+      window_left, window_right, softcap, deterministic=False, dlse=None, sinks=None):
     return _bwd_fake(dout, q, k, v, out, lse, softmax_scale, (window_left, window_right), softcap,
-                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse)
+                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse, sinks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,15 +309,17 @@ def _attention_grads(ctx, dout: Tensor | None, dlse: Tensor | None,
     q, k, v, out, lse, sinks, *cu = ctx.saved_tensors
     if dout is None and dlse is None:
         return None, None, None, None
-    dsinks = None
-    if sinks is not None and sinks.requires_grad:
-        dsinks = launch.sink_grad(sinks, out, lse, dout, dlse, ctx.varlen is not None)
-    return (*_qkv_grads(ctx, q, k, v, out, lse, cu, dout, dlse, direct), dsinks)
+    if sinks is not None and not sinks.requires_grad:
+        sinks = None
+    dq, dk, dv, dsinks = _qkv_grads(ctx, q, k, v, out, lse, cu, dout, dlse, direct, sinks)
+    return dq, dk, dv, (dsinks if sinks is not None else None)
 
 
 def _qkv_grads(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: list[Tensor],
-               dout: Tensor | None, dlse: Tensor | None, direct: bool) -> tuple[Tensor | None, ...]:
-    """(dq, dk, dv) through the backward op (``cu``: the varlen offsets, or empty)."""
+               dout: Tensor | None, dlse: Tensor | None, direct: bool,
+               sinks: Tensor | None) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv, dsinks) through the backward op (``cu``: the varlen offsets, or empty; the sinks'
+    gradient comes from the preprocess's D)."""
     scale, causal, wl, wr, softcap, deterministic = ctx.params
     # Only the LSE used: dO = 0 (its dv is then exactly 0). A used LSE costs no second backward:
     # the preprocess folds dlse into D (d lse_i / d s_ij = P_ij adds P_ij dlse_i to dS_ij).
@@ -311,8 +330,8 @@ def _qkv_grads(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, c
         varlen = () if ctx.varlen is None else (*cu, *ctx.varlen)
         with _named("cute_flash::bwd" if ctx.varlen is None else "cute_flash::varlen_bwd"):
             return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic,
-                             *varlen, dlse=dlse)
-    flags = (scale, causal, wl, wr, softcap, deterministic, dlse)
+                             *varlen, dlse=dlse, sinks=sinks)
+    flags = (scale, causal, wl, wr, softcap, deterministic, dlse, sinks)
     if ctx.varlen is None:
         return torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, *flags)
     return torch.ops.cute_flash.varlen_bwd(dout, q, k, v, out, lse, *cu, *ctx.varlen, *flags)

@@ -96,8 +96,8 @@ def test_fake_implementation_gives_kernel_output_shapes():
     out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.1, False, -1, -1, 0.0)
     assert out.shape == (3, 5, 8, 128) and out.dtype == BF16
     assert lse.shape == (3, 8, 5) and lse.dtype == torch.float32
-    dq, dk, dv = torch.ops.cute_flash.bwd(out, q, k, v, out, lse, 0.1, False, -1, -1, 0.0)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    dq, dk, dv, dsinks = torch.ops.cute_flash.bwd(out, q, k, v, out, lse, 0.1, False, -1, -1, 0.0)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dsinks.numel() == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,8 +395,8 @@ def test_cuda_forward_hands_the_launcher_preallocated_outputs(fake_launchers):
 def test_cuda_backward_hands_the_launcher_gradients_shaped_like_inputs(fake_launchers):
     q, k, v, cu_q, cu_k = packed([3, 4], [5, 2], h=8, hkv=2, dv=64)
     out, lse = torch.randn(7, 8, 64, dtype=BF16), torch.randn(8, 7)
-    dq, dk, dv = ops._bwd_cuda(torch.randn_like(out), q, k, v, out, lse, 0.1, False, (-1, -1), 0.0, True,
-                               cu_q, cu_k, 4, 5)
+    dq, dk, dv, _ = ops._bwd_cuda(torch.randn_like(out), q, k, v, out, lse, 0.1, False, (-1, -1), 0.0, True,
+                                  cu_q, cu_k, 4, 5)
     (kind, args, kw), = fake_launchers
     assert kind == "bwd" and args[6:] == (dq, dk, dv)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -425,7 +425,7 @@ def test_cuda_path_handles_empty_problems_without_a_launch(fake_launchers, nq, n
     out, lse = ops._fwd_cuda(q, k, v, 0.1, False, (-1, -1), 0.0)
     assert torch.all(out == 0) and torch.all(lse == NEG_INF)
     grads = ops._bwd_cuda(torch.zeros_like(out), q, k, v, out, lse, 0.1, False, (-1, -1), 0.0, False)
-    assert all(torch.all(g == 0) for g in grads)
+    assert all(torch.all(g == 0) for g in grads[:3]) and grads[3].numel() == 0
     assert fake_launchers == []
 
 

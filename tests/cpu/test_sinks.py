@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import jit
+from cute_flash import jit, launch
 from cute_flash.ampere.config import FwdConfig
 from cute_flash.hopper.fwd_config import FwdSm90Config
 from cute_flash.reference import attention_ref
@@ -209,3 +209,40 @@ def test_kv_cache_kernels_and_the_merge_compile_with_sinks(arch: str) -> None:
         ptx, _ = jit.compile_artifacts(cfg)
         plain, _ = jit.compile_artifacts(replace(cfg, sinks=False))
         assert len(re.findall(r"ex2\.approx", ptx)) > len(re.findall(r"ex2\.approx", plain))
+
+
+def _padded_d(d_rows: torch.Tensor, cu: torch.Tensor | None, tile_m: int) -> torch.Tensor:
+    """D laid out as the backward preprocess writes it (``launch.alloc_scratch``): dense rows padded
+    to a tile multiple, packed sequences each starting on a tile boundary; padding rows 0."""
+    if cu is None:
+        b, h, n = d_rows.shape
+        out = torch.zeros(b, h, -(-n // tile_m) * tile_m)
+        out[..., :n] = d_rows
+        return out
+    h, total = d_rows.shape
+    nseq = cu.shape[0] - 1
+    out = torch.zeros(h, (total // tile_m + nseq + 1) * tile_m)
+    for s in range(nseq):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        start = (lo + s * tile_m) // tile_m * tile_m
+        out[:, start:start + hi - lo] = d_rows[:, lo:hi]
+    return out
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_sink_gradient_from_the_preprocess_d_matches_the_direct_one(varlen: bool, seed: int) -> None:
+    h, d, tile_m = 4, 32, 64
+    sinks = torch.randn(h)
+    if varlen:
+        cu = torch.tensor([0, 37, 40, 170], dtype=torch.int32)
+        out, dout = (torch.randn(170, h, d) for _ in range(2))
+        lse, dlse = torch.randn(h, 170) + 3, torch.randn(h, 170)
+        d_rows = (dout * out).sum(-1).t() - dlse
+    else:
+        cu = None
+        out, dout = (torch.randn(2, 99, h, d) for _ in range(2))
+        lse, dlse = torch.randn(2, h, 99) + 3, torch.randn(2, h, 99)
+        d_rows = (dout * out).sum(-1).transpose(1, 2) - dlse
+    want = launch.sink_grad(sinks, out, lse, dout, dlse, varlen)
+    got = launch.sink_grad_from_d(sinks, lse, _padded_d(d_rows, cu, tile_m), cu, tile_m)
+    torch.testing.assert_close(got, want)
