@@ -198,10 +198,11 @@ def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
              window_right: int, deterministic: bool, dlse: Tensor | None, sinks: Tensor | None,
              block_any: Tensor | None, block_all: Tensor | None,
-             mods_key: str) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """(dq, dk, dv, fp32 gradients of the aux tensors flagged in ``aux_grad``) of ``mods_fwd``.
-    On CPU: torch autograd through ``attention_ref`` with the mods' torch forms (it recomputes the
-    forward instead of reading ``out`` / ``lse``)."""
+             mods_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, dsinks, fp32 gradients of the aux tensors flagged in ``aux_grad``) of
+    ``mods_fwd``; dsinks: the sinks' fp32 gradient, empty without sinks. On CPU: torch.func
+    through ``attention_ref`` with the mods' torch forms (it recomputes the forward instead of
+    reading ``out`` / ``lse``)."""
     torch_s, torch_m = _torch_forms(mods_key)
     # (torch.func, not autograd: autograd is off below a custom op's dispatch, grad mode or not.)
     leaves = [t.detach().to(torch.float64) for t in (q, k, v)]
@@ -221,7 +222,14 @@ def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     got = vjp((dout.double(), torch.zeros_like(l_) if dlse is None else dlse.to(l_.dtype)))
     got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
     dq, dk, dv = (torch.empty_like(t).copy_(g) for g, t in zip(got[:3], (q, k, v), strict=True))
-    return dq, dk, dv, [g.float() for g in got[3:]]
+    varlen = cu_seqlens_q is not None
+    dsinks = None if sinks is None else launch.sink_grad(sinks, out, lse, dout, dlse, varlen)
+    return dq, dk, dv, _sinks_out(q, dsinks), [g.float() for g in got[3:]]
+
+
+def _sinks_out(q: Tensor, dsinks: Tensor | None) -> Tensor:
+    """The sinks' gradient as an op output (an empty tensor without sinks)."""
+    return dsinks.float() if dsinks is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @mods_bwd.register_kernel("cuda")
@@ -234,25 +242,29 @@ def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_se
     if q.numel() == 0 or k.numel() == 0:
         for g in (dq, dk, dv):
             g.zero_()
-        return dq, dk, dv, grads
+        dsinks = None if sinks is None else launch.sink_grad(sinks, out, lse, dout, dlse,
+                                                             cu_seqlens_q is not None)
+        return dq, dk, dv, _sinks_out(q, dsinks), grads
     aux = tuple(t.contiguous() for t in aux)
     it = iter(grads)
     aligned = tuple(next(it) if g else None for g in aux_grad)
     with torch.cuda.device(q.device):
-        launch.run_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-                       window_size=(window_left, window_right), deterministic=deterministic,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
-                       max_seqlen_k=max_k, dlse=dlse, aux=aux, aux_grads=aligned,
-                       mods=kernel_mods(mods_key, aux, aux_grad, sparse=block_any is not None),
-                       blocks=_blocks(block_any, block_all))
-    return dq, dk, dv, grads
+        dsinks = launch.run_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale,
+                                causal=causal, window_size=(window_left, window_right),
+                                deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dlse=dlse,
+                                aux=aux, aux_grads=aligned, sinks=sinks, blocks=_blocks(block_any, block_all),
+                                mods=kernel_mods(mods_key, aux, aux_grad, sparse=block_any is not None))
+    return dq, dk, dv, _sinks_out(q, dsinks), grads
 
 
 @mods_bwd.register_fake
 def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, block_any, block_all,
       mods_key):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _grad_shapes(aux, aux_grad)
+    dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _sinks_out(q, dsinks),
+            _grad_shapes(aux, aux_grad))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,13 +288,11 @@ def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     op = torch.ops.cute_flash.mods_bwd
-    dq, dk, dv, grads = op(dout, q, k, v, out, lse, aux, ctx.aux_grad, cu_q, cu_k, max_q, max_k, scale,
-                           causal, wl, wr, deterministic, dlse, sinks, b_any, b_all, key)
+    dq, dk, dv, dsinks, grads = op(dout, q, k, v, out, lse, aux, ctx.aux_grad, cu_q, cu_k, max_q, max_k,
+                                   scale, causal, wl, wr, deterministic, dlse, sinks, b_any, b_all, key)
     it = iter(grads)
     daux = [next(it).to(t.dtype) if g else None for t, g in zip(aux, ctx.aux_grad, strict=True)]
-    dsinks = None
-    if sinks is not None and sinks.requires_grad:
-        dsinks = launch.sink_grad(sinks, out, lse, dout, dlse, cu_q is not None)
+    dsinks = dsinks if sinks is not None and sinks.requires_grad else None
     return dq, dk, dv, daux, None, None, None, None, None, None, None, None, None, dsinks, None, None, None
 
 

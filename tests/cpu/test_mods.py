@@ -291,3 +291,17 @@ def test_the_mods_forward_op_passes_opcheck() -> None:
                           test_utils=("test_schema", "test_faketensor"))
     # (mods_bwd's CPU form differentiates with torch.func, which opcheck's modes do not wrap; its fake
     # form meets its real one under torch.compile above.)
+
+
+def test_the_sinks_gradient_through_the_mods_op_matches_the_plain_op(seed: int) -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(d=32))
+    sinks = torch.randn(4)
+    grads = []
+    for kw in (dict(causal=True), dict(mask_mod=m.causal())):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = cute_flash.flash_attn_func(*leaves[:3], sinks=leaves[3], **kw)
+        grads.append(torch.autograd.grad(out.float().square().sum(), leaves))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
