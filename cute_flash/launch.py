@@ -214,6 +214,14 @@ def _partial_grads(k: Tensor, v: Tensor, split: int) -> tuple[Tensor, Tensor]:
             torch.empty(*lead, hkv * split, v.shape[-1], dtype=v.dtype, device=v.device))
 
 
+def mod_args(aux: tuple[Tensor, ...], aux_grads: tuple[Tensor | None, ...] = ()) -> list:
+    """The main backward's ``MAX_AUX`` aux and ``MAX_AUX`` aux-gradient arguments: each gradient at
+    its aux tensor's position, None where none was asked for and past the last (as the kernel was
+    compiled: ``signatures.aux_args`` / ``aux_grad_args``)."""
+    pad = jit.MAX_AUX
+    return [*aux, *([None] * (pad - len(aux))), *aux_grads, *([None] * (pad - len(aux_grads)))]
+
+
 def alloc_scratch(q: Tensor, tile_m: int, hdim: int, deterministic: bool, num_batch: int, rows: int,
                   varlen: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """fp32 LSE*log2e, D, dQ accumulator and (deterministic) int32 semaphores, per padded row
@@ -266,7 +274,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         dq.zero_()
         dk.zero_()
         dv.zero_()
-        return None if sinks is None else torch.zeros_like(sinks, dtype=torch.float32)
+        return None if sinks is None else sink_grad(sinks, out, lse, dout, dlse, varlen)
     if family is None:
         family = dispatch.bwd_family(jit.device_arch(q.device), q.shape[-1], v.shape[-1], softcap > 0.0,
                                      mods is not None)
@@ -286,21 +294,21 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     tile_m = cfg.tiles.tile_m if family == "sm80" else cfg.tile_m
     lse2, dsum, dq_acc, sem = alloc_scratch(q, tile_m, cfg.hdim, deterministic, num_batch, rows_q, varlen)
     scale = float(softmax_scale)
-    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
-    dsinks = None if sinks is None else sink_grad_from_d(sinks, lse, dsum, cu_seqlens_q, tile_m)
-    dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
-    pad = [None] * (jit.MAX_AUX - len(aux))
-    grads = [g for g in aux_grads if g is not None]
     ranges = None
     if blocks is not None:
         tm, tn = (cfg.tile_m, cfg.tile_n) if family == "sm90" else (cfg.tiles.tile_m, cfg.tiles.tile_n)
         group = q.shape[-2] // k.shape[-2]
         ranges = _expand_ranges(blocks.kernel_ranges(tm, tn, backward=True, group=group), num_batch,
                                 k.shape[-2])
+    # (Nothing host-side between the preprocess and the main kernel: the sm90 main kernel launches
+    # while the preprocess still runs.)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
-         float(softcap) if softcap > 0 else 0.0, left, right, mk, *aux, *pad, *grads,
-         *([None] * (jit.MAX_AUX - len(grads))), ranges)
+         float(softcap) if softcap > 0 else 0.0, left, right, mk, *mod_args(aux, aux_grads), ranges)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
+    # (D is read, not written, by the main kernel: still the preprocess's.)
+    dsinks = None if sinks is None else sink_grad_from_d(sinks, lse, dsum, cu_seqlens_q, tile_m)
     if split > 1:
         # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).
         for part, grad in ((dk_main, dk), (dv_main, dv)):
@@ -341,8 +349,8 @@ def sink_grad_from_d(sinks: Tensor, lse: Tensor, dsum: Tensor, cu_seqlens_q: Ten
     start = (cu[seq] + seq * tile_m) // tile_m * tile_m
     valid = rows < cu[-1]  # (rows past the last sequence: no LSE, no D)
     idx = torch.where(valid, start + rows - cu[seq], 0)
-    p = torch.where(valid, torch.exp(sinks.float().view(-1, 1) - lse), 0.0)
-    return -(p * dsum[:, idx]).sum(1)
+    p = torch.exp(sinks.float().view(-1, 1) - lse)
+    return -torch.where(valid, p * dsum[:, idx], 0.0).sum(1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -275,7 +275,10 @@ def _setup(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, cu_q, cu_k, *blocks, *aux)
     ctx.params = (max_q, max_k, scale, causal, wl, wr, deterministic, key)
-    ctx.aux_grad = [t.requires_grad and t.dtype in GRAD_TYPES for t in aux]
+    score, _ = registered(key)
+    # (Only a score_mod's derivative gives aux gradients: a mask does not depend on its tensors.)
+    learns = score is not None and score.bwd is not None
+    ctx.aux_grad = [learns and t.requires_grad and t.dtype in GRAD_TYPES for t in aux]
     ctx.set_materialize_grads(False)
 
 
@@ -310,10 +313,13 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
     if softcap != 0.0:
         raise ValueError("softcap and score_mod / mask_mod: use the softcap score_mod (device/mods.py)")
     score, mask = as_mod("score_mod", score_mod), as_mod("mask_mod", mask_mod)
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *aux))
+    learnable = (q, k, v, *aux) + (() if sinks is None else (sinks,))
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in learnable)
     if grads and score is not None and score.bwd is None:
         raise ValueError("gradients through a score_mod need its derivative: pass (DSL function, torch "
                          "function, score_mod_bwd), or call under torch.no_grad()")
+    if deterministic and grads and any(t.requires_grad for t in aux) and score is not None:
+        raise ValueError("deterministic mode does not take aux gradients yet (they are added atomically)")
     for i, t in enumerate(aux):
         if t.requires_grad and t.dtype not in GRAD_TYPES:
             raise TypeError(f"aux[{i}] requires grad but is {t.dtype}: gradients reach float aux tensors "
@@ -329,6 +335,8 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
                             f"{type(block_mask).__name__}")
         if mask is None:
             raise ValueError("block_mask goes with the mask_mod it was made from")
+        if deterministic and grads:
+            raise ValueError("deterministic mode does not take a block mask yet")
         launch.check_block_mask(block_mask, q, k, cu_q, max_q, max_k)
         grids = [block_mask.any_visible, block_mask.all_visible]
     return torch.ops.cute_flash.mods_fwd(q, k, v, list(aux), cu_q, cu_k, max_q or 0, max_k or 0,

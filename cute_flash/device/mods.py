@@ -130,12 +130,13 @@ def aligned_grads(mods: Mods | None, grads: tuple) -> tuple:
 
 
 def check_bwd_mods(mods: Mods | None, deterministic: bool) -> None:
-    """A backward compiles a score_mod only with its derivative, and a block mask not in
-    deterministic mode (whose add order assumes the unmasked query-block ranges)."""
+    """A backward compiles a score_mod only with its derivative; deterministic mode takes no block
+    mask (its add order assumes the unmasked query-block ranges) and no aux gradients."""
     if mods is not None and mods.score_mod is not None and mods.score_mod_bwd is None:
         raise ValueError("a backward with a score_mod needs its derivative (score_mod_bwd)")
-    if mods is not None and mods.block_sparse and deterministic:
-        raise ValueError("deterministic mode does not take a block mask yet")
+    if mods is not None and deterministic and (mods.block_sparse or any(mods.aux_grads)):
+        raise ValueError("deterministic mode takes neither a block mask nor aux gradients yet (the latter "
+                         "are added atomically, in no fixed order)")
 
 
 @cute.jit

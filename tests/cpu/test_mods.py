@@ -306,3 +306,46 @@ def test_the_sinks_gradient_through_the_mods_op_matches_the_plain_op(seed: int) 
     for a, b in zip(*grads, strict=True):  # (the two CPU forms round to bf16 from fp32 / fp64 math)
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_backward_gets_each_aux_gradient_where_it_was_compiled() -> None:
+    from cute_flash import launch, signatures
+
+    alibi = m.alibi(at=1)
+    mods = m.Mods(score_mod=alibi.dsl, mask_mod=m.document(0).dsl, aux=(("int32", 2), ("fp32", 1)),
+                  score_mod_bwd=alibi.bwd, aux_grads=(False, True))
+    ids, slopes, dslopes = torch.zeros(2, 5, dtype=torch.int32), torch.rand(4), torch.zeros(4)
+    compiled = [*signatures.aux_args(mods), *signatures.aux_grad_args(mods)]
+    passed = launch.mod_args((ids, slopes), (None, dslopes))
+    assert [x is None for x in passed] == [x is None for x in compiled]
+    assert passed[jit.MAX_AUX + 1] is dslopes
+
+
+def test_what_the_backward_cannot_do_raises_before_the_forward(seed: int) -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    table = torch.randn(4, 17, requires_grad=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        cute_flash.flash_attn_func(q, k, v, score_mod=m.relative_bias(8), aux=(table,), deterministic=True)
+    bm = cute_flash.create_block_mask(m.causal(), None, None, 37, 37)
+    with pytest.raises(ValueError, match="deterministic"):
+        cute_flash.flash_attn_func(q, k, v, mask_mod=m.causal(), block_mask=bm, deterministic=True)
+    sinks = torch.randn(4, requires_grad=True)
+    with torch.no_grad():
+        qq, kk, vv = (t.detach() for t in (q, k, v))
+    with pytest.raises(ValueError, match="derivative"):  # (only the sinks learn: still through the mod)
+        cute_flash.flash_attn_func(qq, kk, vv, score_mod=m.alibi()[:2], aux=(torch.rand(4),), sinks=sinks)
+
+
+def test_a_mask_reading_a_float_tensor_gives_it_no_gradient(seed: int) -> None:
+    import cute_flash
+
+    def above(b, h, q_idx, kv_idx, aux):
+        return aux[0][kv_idx] > 0.0
+
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(d=32))
+    keys = torch.randn(37, requires_grad=True)
+    out = cute_flash.flash_attn_func(q, k, v, mask_mod=(above, above), aux=(keys,))
+    out.float().sum().backward()
+    assert q.grad is not None and keys.grad is None
