@@ -7,6 +7,7 @@ accumulator is stored in that MMA's fragment order), so the pre/post configs der
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import cutlass
@@ -203,8 +204,11 @@ class BwdConfig(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.tiles is None:
-            object.__setattr__(self, "tiles", bwd_tiles(self.hdim, self.hdim_v,
-                                                        self.softcap or self.mods is not None))
+            tiles = bwd_tiles(self.hdim, self.hdim_v, self.softcap or self.mods is not None)
+            if self.mods is not None and self.mods.score_mod is not None and self.mods.mask_mod is not None:
+                # Both mods' per-key values: 96-key blocks spill at d 128, 64 do not.
+                tiles = dataclasses.replace(tiles, tile_n=min(tiles.tile_n, SM80_MODS_TILE_N))
+            object.__setattr__(self, "tiles", tiles)
         check_bwd_mods(self.mods, self.deterministic)
 
     def build(self):
