@@ -172,10 +172,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+              enable_gqa: bool = False, *, score_mod: object = None, mask_mod: object = None,
+              aux: Sequence[torch.Tensor] = (), block_mask: BlockMask | None = None) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``'s signature and semantics on (B, H, N, d)
     tensors, so it drops in at SDPA call sites. An ``attn_mask`` tensor or ``dropout_p`` > 0 raise
-    ``ValueError`` (use ``is_causal`` / ``flash_attn_func``'s ``window_size`` for masks).
+    ``ValueError`` (use ``is_causal``, ``mask_mod`` or ``flash_attn_func``'s ``window_size`` for
+    masks). ``score_mod`` / ``mask_mod`` / ``aux`` / ``block_mask`` as in ``flash_attn_func``.
 
     The inputs are passed to the kernel as transposed views, without copies. As in SDPA,
     ``is_causal`` is aligned top-left when Nq != Nk (query i sees keys 0..i), unlike
@@ -203,7 +205,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     elif is_causal:
         # Nq > Nk: bottom-right window (-1, Nq - Nk) puts the diagonal at j = i.
         window = (-1, nq - nk)
-    out = flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, window_size=window)
+    out = flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=causal, window_size=window,
+                          score_mod=score_mod, mask_mod=mask_mod, aux=aux, block_mask=block_mask)
     return out.transpose(1, 2)
 
 

@@ -349,3 +349,14 @@ def test_a_mask_reading_a_float_tensor_gives_it_no_gradient(seed: int) -> None:
     out = cute_flash.flash_attn_func(q, k, v, mask_mod=(above, above), aux=(keys,))
     out.float().sum().backward()
     assert q.grad is not None and keys.grad is None
+
+
+def test_the_sdpa_style_function_takes_the_mods(seed: int) -> None:
+    import cute_flash
+
+    q, k, v = (t.to(torch.bfloat16).transpose(1, 2) for t in _qkv(d=32))  # (B, H, N, d)
+    slopes = torch.rand(4)
+    got = cute_flash.attention(q, k, v, is_causal=True, score_mod=m.alibi(), aux=(slopes,))
+    want = cute_flash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True,
+                                      score_mod=m.alibi(), aux=(slopes,))
+    torch.testing.assert_close(got, want.transpose(1, 2))
