@@ -258,7 +258,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     gradient (float32, lse's shape, contiguous), or None. ``family``: None = ``dispatch.bwd_family``;
     ``overrides``: sm90 main config fields (tuning scripts). ``mods``: a score_mod / mask_mod with
     its derivative (``device/mods.py``: Mods) over ``aux``; ``aux_grads``: per aux tensor a zeroed
-    fp32 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None;
+    fp64 gradient of its shape where ``mods.aux_grads`` asks for one (added into), else None;
     ``blocks``: the mask_mod's block mask (as ``run_fwd``'s). ``sinks``: the forward's sink logits;
     their gradient is returned (from the preprocess's D: ``sink_grad_from_d``), else None.
     """

@@ -188,7 +188,8 @@ def _(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, soft
 # Backward
 # ---------------------------------------------------------------------------------------------
 def _grad_shapes(aux: Sequence[Tensor], aux_grad: Sequence[bool]) -> list[Tensor]:
-    return [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+    """Zeroed fp64 gradients of the flagged aux tensors (the kernels add into them: ``grad_add``)."""
+    return [torch.zeros(t.shape, dtype=torch.float64, device=t.device)
             for t, g in zip(aux, aux_grad, strict=True) if g]
 
 
@@ -199,7 +200,7 @@ def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              window_right: int, deterministic: bool, dlse: Tensor | None, sinks: Tensor | None,
              block_any: Tensor | None, block_all: Tensor | None,
              mods_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
-    """(dq, dk, dv, dsinks, fp32 gradients of the aux tensors flagged in ``aux_grad``) of
+    """(dq, dk, dv, dsinks, fp64 gradients of the aux tensors flagged in ``aux_grad``) of
     ``mods_fwd``; dsinks: the sinks' fp32 gradient, empty without sinks. On CPU: torch.func
     through ``attention_ref`` with the mods' torch forms (it recomputes the forward instead of
     reading ``out`` / ``lse``)."""
@@ -224,7 +225,7 @@ def mods_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     dq, dk, dv = (torch.empty_like(t).copy_(g) for g, t in zip(got[:3], (q, k, v), strict=True))
     varlen = cu_seqlens_q is not None
     dsinks = None if sinks is None else launch.sink_grad(sinks, out, lse, dout, dlse, varlen)
-    return dq, dk, dv, _sinks_out(q, dsinks), [g.float() for g in got[3:]]
+    return dq, dk, dv, _sinks_out(q, dsinks), [g.double() for g in got[3:]]
 
 
 def _sinks_out(q: Tensor, dsinks: Tensor | None) -> Tensor:

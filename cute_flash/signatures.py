@@ -26,11 +26,11 @@ def aux_args(mods) -> tuple:
 
 
 def aux_grad_args(mods) -> tuple:
-    """The main backward's ``MAX_AUX`` aux gradient arguments: an fp32 fake tensor of the aux
+    """The main backward's ``MAX_AUX`` aux gradient arguments: an fp64 fake tensor of the aux
     tensor's rank where ``mods.aux_grads`` asks for one, None elsewhere."""
     specs = () if mods is None else mods.aux
     flags = () if mods is None else (mods.aux_grads or (False,) * len(specs))
-    fakes = [jit.fake_tensor(cutlass.Float32, tuple(jit.sym() for _ in range(rank)), leading_dim=rank - 1)
+    fakes = [jit.fake_tensor(cutlass.Float64, tuple(jit.sym() for _ in range(rank)), leading_dim=rank - 1)
              if flag else None for flag, (_, rank) in zip(flags, specs, strict=True)]
     return (*fakes, *([None] * (jit.MAX_AUX - len(fakes))))
 

@@ -142,8 +142,9 @@ def check_bwd_mods(mods: Mods | None, deterministic: bool) -> None:
 @cute.jit
 def grad_add(t: cute.Tensor, coord, value: Float32) -> None:
     """t[coord] += value, atomically: how a ``score_mod_bwd`` accumulates an aux tensor's gradient
-    (many scores read one table entry)."""
-    cute.arch.atomic_add(t.iterator + cute.crd2idx(coord, t.layout), value)
+    (many scores read one table entry). The gradients are fp64: an entry sums up to every score's
+    share, in no fixed order, and fp32 running sums of 10^5 terms lose the answer's digits."""
+    cute.arch.atomic_add(t.iterator + cute.crd2idx(coord, t.layout), value.to(t.element_type))
 
 
 def _axis_index(pos: Int32, base: Int32, is_query: bool, head: Int32, pack: int, seqlen: Int32):
@@ -267,7 +268,7 @@ def apply_mods_sparse(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile
 #     score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads) -> grad of the score
 #
 # ``grad``: the loss's gradient with respect to the score_mod's output, ``score`` its input;
-# ``aux_grads``: per aux tensor, its fp32 gradient (same shape) where the call asked for one, else
+# ``aux_grads``: per aux tensor, its fp64 gradient (same shape) where the call asked for one, else
 # None; add into it with ``grad_add``.
 # ---------------------------------------------------------------------------------------------
 def alibi(at: int = 0) -> Mod:
