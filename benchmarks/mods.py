@@ -43,7 +43,8 @@ def _timed(call, leaves, dout):
     def fwd_bwd():
         for t in leaves:
             t.grad = None
-        call().backward(dout)
+        out = call()
+        (out[0] if isinstance(out, tuple) else out).backward(dout)  # (flash-attn-4: (out, lse))
     return fwd, fwd_bwd
 
 
