@@ -1,9 +1,10 @@
 """Programmable attention: a user's ``score_mod`` / ``mask_mod`` (FlexAttention's) traced into the
-forward kernels, element by element on the S accumulator, before the built-in masks and the
-softmax.
+forward and backward kernels, element by element on the S (S^T) accumulator, before the built-in
+masks and the softmax; in the backward, the score_mod's derivative on dS.
 
     score_mod(score, b, h, q_idx, kv_idx, aux) -> score    (Float32 in and out)
     mask_mod(b, h, q_idx, kv_idx, aux) -> Boolean           (False: the key is masked out)
+    score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux, aux_grads) -> grad of score
 
 ``score`` is the scaled score (q . k * softmax_scale); ``b`` the batch (or packed sequence),
 ``h`` the query head, ``q_idx`` / ``kv_idx`` positions within that sequence (Int32); ``aux`` a
@@ -13,8 +14,10 @@ functions are CuTe-DSL code: arithmetic, comparisons, ``cute.math`` (exp, log, t
 (closures too; they are part of the compile key); ``&`` / ``|`` combine conditions, and a mod
 decorated with ``cute.jit`` may use ``if`` / ``and`` / ``or`` as well. Positions past a
 sequence's end are clamped to its last query / key before the mods see them (those scores are
-masked, those rows never stored), so a table lookup by position stays in range. The forwards take
-them through their configs (``mods``) and the launcher (``launch.run_fwd(mods=, aux=)``).
+masked, those rows never stored), so a table lookup by position stays in range. The kernels take
+them through their configs (``mods``: ``Mods``) and the launchers (``launch.run_fwd`` /
+``run_bwd(mods=, aux=, aux_grads=, blocks=)``); a block mask (``block_mask.py``) narrows the
+blocks visited and spares the full ones the mask_mod.
 """
 
 from __future__ import annotations
