@@ -122,7 +122,8 @@ def create_block_mask(mask_mod: Callable | tuple, B: int | None, H: int | None, 
                       device: torch.device | str | None = None, aux: tuple = ()) -> BlockMask:
     """The ``BlockMask`` of ``mask_mod`` (its torch form: a function, or a built-in's ``Mod``) over
     ``seqlen_q`` x ``seqlen_k`` positions; ``B`` / ``H`` None where the mask does not depend on the
-    batch / head (one grid, broadcast). ``aux``: the tensors the mask reads (as in the call)."""
+    batch / head (one grid, broadcast). ``aux``: the tensors the mask reads (as in the call);
+    ``device``: where the grids live (default: the aux tensors', else the GPU if any)."""
     fn = mask_mod
     if isinstance(mask_mod, tuple):  # (DSL function, torch function[, ...]) or a Mod
         fn = mask_mod[1] if len(mask_mod) >= 2 else None
@@ -132,7 +133,9 @@ def create_block_mask(mask_mod: Callable | tuple, B: int | None, H: int | None, 
     if seqlen_q < 1 or seqlen_k < 1:
         raise ValueError(f"create_block_mask: positive lengths, got {seqlen_q} x {seqlen_k}")
     nb, nh = B or 1, H or 1
-    dev = torch.device(device) if device is not None else (aux[0].device if aux else torch.device("cpu"))
+    if device is None:  # (the aux tensors' device, else the GPU when there is one, as Flex's)
+        device = aux[0].device if aux else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
     b = torch.arange(nb, device=dev).view(nb, 1, 1, 1)
     h = torch.arange(nh, device=dev).view(1, nh, 1, 1)
     kv = torch.arange(seqlen_k, device=dev).view(1, 1, 1, seqlen_k)
