@@ -23,7 +23,7 @@ def use_tile(tile_n: int | None) -> None:
     """Force the mods' K/V block of the configs planned from now on (None: the shipped table)."""
     fwd_config.SM90_MODS_TILE_N = tile_n or SHIPPED[0]
     fwd_config.SM90_MODS_BOTH_TILE_N = min(tile_n, SHIPPED[1]) if tile_n else SHIPPED[1]
-    launch._FWD_KERNELS.clear()  # (the forward's memo of planned kernels)
+    launch._FWD_KERNELS._data.clear()  # (the forward's memo of planned kernels)
 
 
 SHIPPED = (fwd_config.SM90_MODS_TILE_N, fwd_config.SM90_MODS_BOTH_TILE_N)
