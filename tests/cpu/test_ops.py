@@ -324,13 +324,18 @@ def test_attention_passes_views_not_copies(monkeypatch):
 
 def test_attention_has_the_signature_of_sdpa():
     """``scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-    is_causal=False, scale=None, enable_gqa=False)``, the tensors named as in this package."""
+    is_causal=False, scale=None, enable_gqa=False)``, the tensors named as in this package, then
+    keyword-only extras."""
     import inspect
 
     params = inspect.signature(cute_flash.attention).parameters
-    assert [(name, p.default) for name, p in params.items()] == [
+    positional = [(name, p.default) for name, p in params.items() if p.kind != p.KEYWORD_ONLY]
+    assert positional == [
         ("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty), ("v", inspect.Parameter.empty),
         ("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None), ("enable_gqa", False)]
+    # (The rest -- score_mod, mask_mod, aux, block_mask -- keyword-only, with SDPA's behaviour by default.)
+    extra = [(name, p.default) for name, p in params.items() if p.kind == p.KEYWORD_ONLY]
+    assert extra == [("score_mod", None), ("mask_mod", None), ("aux", ()), ("block_mask", None)]
 
 
 def test_attention_takes_sdpa_arguments_by_position():
