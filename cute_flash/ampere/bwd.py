@@ -56,7 +56,7 @@ from cute_flash.device import scratch, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_mn, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import aligned_grads, block_range, mod_grads, mod_scores, outside_full
+from cute_flash.device.mods import aligned_grads, block_range, mod_grads, mod_scores_in_block
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import score_scales
 
@@ -437,14 +437,7 @@ class FlashBwdSm80:
                 dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
             where = (ctx.tScS_mn, 0, m_block * self.tile_m, ctx.n_block * self.tile_n, ctx.batch, head, 1,
                      ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux, ctx.score_scale)
-            if cutlass.const_expr(not self.mods.block_sparse):
-                mod_scores(self.mods, acc_S, *where, dtanh)
-            else:
-                # A block mask's full query blocks skip the mask_mod (a uniform branch per block).
-                if cutlass.const_expr(self.mods.score_mod is not None):
-                    mod_scores(self.mods.part(score=True), acc_S, *where, dtanh)
-                if outside_full(m_block, ctx.full):
-                    mod_scores(self.mods.part(score=False), acc_S, *where)
+            mod_scores_in_block(self.mods, acc_S, where, dtanh, m_block, ctx.full)
         if cutlass.const_expr(self.has_softcap):
             dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
             for i in cutlass.range_constexpr(cute.size(acc_S)):

@@ -19,7 +19,7 @@ from cute_flash.device import warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.layout import acc_to_frgA, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import apply_mods, apply_mods_sparse, block_range
+from cute_flash.device.mods import apply_mods, block_range
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -249,14 +249,10 @@ class FlashFwdSm80:
 
         warp_mma.gemm_ss(self.mma, acc_S, ctx.tSrQ, ctx.tSrK, ctx.tSsQ, ctx.tSsK[None, None, None, stage],
                          ctx.s2r_Q, ctx.s2r_K, prefetch=self.prefetch)
-        if cutlass.const_expr(ctx.full is not None):
-            apply_mods_sparse(self.mods, acc_S, ctx.thr_mma, self.tile_m, self.tile_n, ctx.m_block, n_block,
-                              ctx.batch, ctx.head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
-                              ctx.score_scale, ctx.full)
-        elif cutlass.const_expr(self.mods is not None):
+        if cutlass.const_expr(self.mods is not None):
             apply_mods(self.mods, acc_S, ctx.thr_mma, self.tile_m, self.tile_n, ctx.m_block, n_block,
                        ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
-                       ctx.score_scale)
+                       ctx.score_scale, ctx.full)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)

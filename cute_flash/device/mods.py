@@ -220,18 +220,6 @@ def mod_grads(mods: Mods, acc_dS: cute.Tensor, pre: cute.Tensor, coords: cute.Te
 
 
 @cute.jit
-def apply_mods(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
-               tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32, head: Int32,
-               pack: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
-               softmax_scale: Float32) -> None:
-    """``mod_scores`` on a forward's S block (queries on the rows) of query block ``m_block`` and
-    K/V block ``n_block``."""
-    coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
-    mod_scores(mods, acc_S, coords, 0, m_block * tile_m, n_block * tile_n, batch, head, pack, seqlen_q,
-               seqlen_k, aux, softmax_scale)
-
-
-@cute.jit
 def block_range(mBlocks: cute.Tensor, batch: Int32, head: Int32, block: Int32, lo: Int32, hi: Int32):
     """A block mask's ranges (``block_mask.BlockMask.kernel_ranges``) for query block ``block``
     (backward: key block): (lo, hi) narrowed to the blocks with any visible pair, and the [first,
@@ -249,19 +237,31 @@ def outside_full(block: Int32, full) -> cutlass.Boolean:
 
 
 @cute.jit
-def apply_mods_sparse(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
-                      tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32,
-                      head: Int32, seqlen_q: Int32, seqlen_k: Int32, aux: tuple, softmax_scale: Float32,
-                      full: tuple) -> None:
-    """``apply_mods`` under a block mask: the score_mod on every block, the mask_mod only on the
-    blocks outside the run of full ones (a uniform branch per block)."""
-    score = mods.part(score=True)
-    if cutlass.const_expr(score is not None):
-        apply_mods(score, acc_S, thr_mma, tile_m, tile_n, m_block, n_block, batch, head, 1, seqlen_q,
-                   seqlen_k, aux, softmax_scale)
-    if outside_full(n_block, full):
-        apply_mods(mods.part(score=False), acc_S, thr_mma, tile_m, tile_n, m_block, n_block, batch, head, 1,
-                   seqlen_q, seqlen_k, aux, softmax_scale)
+def mod_scores_in_block(mods: cutlass.Constexpr, acc_S: cute.Tensor, where: tuple, pre, block: Int32,
+                        full) -> None:
+    """``mod_scores(mods, acc_S, *where, pre)`` on one block; under a block mask (``full``: its run
+    of full blocks, ``block_range``) the mask_mod runs only on the blocks outside that run (a
+    uniform branch per block), the score_mod on every block."""
+    if cutlass.const_expr(full is None):
+        mod_scores(mods, acc_S, *where, pre)
+    else:
+        if cutlass.const_expr(mods.score_mod is not None):
+            mod_scores(mods.part(score=True), acc_S, *where, pre)
+        if outside_full(block, full):
+            mod_scores(mods.part(score=False), acc_S, *where)
+
+
+@cute.jit
+def apply_mods(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
+               tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32, head: Int32,
+               pack: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
+               softmax_scale: Float32, full=None) -> None:
+    """``mod_scores_in_block`` on a forward's S block (queries on the rows) of query block
+    ``m_block`` and K/V block ``n_block``."""
+    coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
+    where = (coords, 0, m_block * tile_m, n_block * tile_n, batch, head, pack, seqlen_q, seqlen_k, aux,
+             softmax_scale)
+    mod_scores_in_block(mods, acc_S, where, None, n_block, full)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_flash.device.layout import acc_to_mn
-from cute_flash.device.mods import mod_grads, mod_scores, outside_full
+from cute_flash.device.mods import mod_grads, mod_scores_in_block
 
 
 class BwdScores:
@@ -173,14 +173,7 @@ class BwdScores:
             pre = cute.make_rmem_tensor_like(acc_S, Float32)
         where = (ctx.tScS, self.stat_mode, m_block * self.tile_m, ctx.n_block * self.tile_n, ctx.batch, head,
                  1, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux, ctx.score_scale)
-        if cutlass.const_expr(not self.mods.block_sparse):
-            mod_scores(self.mods, acc_S, *where, pre)
-        else:
-            # A block mask's full query blocks skip the mask_mod (a uniform branch per block).
-            if cutlass.const_expr(self.mods.score_mod is not None):
-                mod_scores(self.mods.part(score=True), acc_S, *where, pre)
-            if outside_full(m_block, ctx.full):
-                mod_scores(self.mods.part(score=False), acc_S, *where)
+        mod_scores_in_block(self.mods, acc_S, where, pre, m_block, ctx.full)
         return pre
 
     @cute.jit

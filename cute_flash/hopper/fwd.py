@@ -37,7 +37,7 @@ from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
 from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
 from cute_flash.device.mask import AttentionMask
-from cute_flash.device.mods import apply_mods, apply_mods_sparse, block_range
+from cute_flash.device.mods import apply_mods, block_range
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.sinks import row_sinks
 from cute_flash.device.softmax import OnlineSoftmax, score_scales
@@ -597,7 +597,7 @@ class FlashFwdSm90:
                 head, batch, n_block_min, n_block_max, q_state, kv_state):
         """One tile: wait for Q, the K/V blocks, the epilogue, Q's buffer back to the producer."""
         ctx.seqlen, ctx.m_block, ctx.n_block_min = seqlen, m_block, n_block_min
-        ctx.head, ctx.batch, ctx.aux = head, batch, geo.aux
+        ctx.head, ctx.batch, ctx.aux, ctx.full = head, batch, geo.aux, None
         if cutlass.const_expr(geo.mBlocks is not None):
             ctx.full = block_range(geo.mBlocks, batch, head, m_block, n_block_min, n_block_max)[2:]
         ctx.mask = AttentionMask(self.tile_m, self.tile_n, seqlen, geo.window_left, geo.window_right,
@@ -680,14 +680,10 @@ class FlashFwdSm90:
                partial: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool]):
         """Mods, softcap, mask and online softmax of one S block; returns the O rescale factors."""
-        if cutlass.const_expr(self.mods is not None and self.mods.block_sparse):
-            apply_mods_sparse(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
-                              ctx.batch, ctx.head, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
-                              ctx.score_scale, ctx.full)
-        elif cutlass.const_expr(self.mods is not None):
+        if cutlass.const_expr(self.mods is not None):
             apply_mods(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
                        ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
-                       ctx.score_scale)
+                       ctx.score_scale, ctx.full)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
