@@ -53,14 +53,20 @@ class BlockMask:
         """Share of the cells that hold any visible pair."""
         return float(self.any_visible.float().mean())
 
-    def kernel_ranges(self, tile_m: int, tile_n: int, backward: bool = False, group: int = 1) -> Tensor:
+    def kernel_ranges(self, tile_m: int, tile_n: int, backward: bool = False, group: int = 1,
+                      batch: int | None = None, heads: int | None = None) -> Tensor:
         """int32 (B, H, blocks, 4): per query block of ``tile_m`` rows (``backward``: per key block
         of ``tile_n`` keys, the heads taken ``group`` at a time -- a K/V head's query heads --
         their union / intersection), [first, end) blocks of the other axis holding any visible
-        pair, then [first, end) of the first run of full blocks in it. Cached per tiling."""
-        key = (tile_m, tile_n, backward, group)
+        pair, then [first, end) of the first run of full blocks in it. With ``batch`` / ``heads``:
+        broadcast to them and materialized (the kernels' argument). Cached per tiling and shape."""
+        key = (tile_m, tile_n, backward, group, batch, heads)
         if key not in self._ranges:
-            self._ranges[key] = _ranges(self, tile_m, tile_n, backward, group)
+            if batch is None:
+                self._ranges[key] = _ranges(self, tile_m, tile_n, backward, group)
+            else:
+                r = self.kernel_ranges(tile_m, tile_n, backward, group)
+                self._ranges[key] = r.expand(batch, heads, *r.shape[2:]).contiguous()
         return self._ranges[key]
 
 

@@ -117,12 +117,6 @@ def _num_seqs(q: Tensor, cu_seqlens_q: Tensor | None) -> int:
     return q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
 
 
-def _expand_ranges(ranges: Tensor, batch: int, heads: int) -> Tensor:
-    """A block mask's ranges (B', H', blocks, 4) broadcast to the call's (batch, heads), materialized
-    (a few KB: the kernels' tensors are not checked with stride-0 extents)."""
-    return ranges.expand(batch, heads, *ranges.shape[2:]).contiguous()
-
-
 def check_block_mask(blocks: BlockMask, q: Tensor, k: Tensor, cu_seqlens_q: Tensor | None,
                      max_seqlen_q: int | None, max_seqlen_k: int | None) -> None:
     """A block mask must cover the call: its lengths at least the call's (per sequence with
@@ -188,7 +182,7 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
     ranges = None
     if blocks is not None:
         tm, tn = (cfg.tile_m, cfg.tile_n) if family == "sm90" else cfg.tiles[:2]
-        ranges = _expand_ranges(blocks.kernel_ranges(tm, tn), _num_seqs(q, cu_seqlens_q), q.shape[-2])
+        ranges = blocks.kernel_ranges(tm, tn, batch=_num_seqs(q, cu_seqlens_q), heads=q.shape[-2])
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra, sinks, *aux,
        *([None] * (jit.MAX_AUX - len(aux))), ranges)
@@ -298,8 +292,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     if blocks is not None:
         tm, tn = (cfg.tile_m, cfg.tile_n) if family == "sm90" else (cfg.tiles.tile_m, cfg.tiles.tile_n)
         group = q.shape[-2] // k.shape[-2]
-        ranges = _expand_ranges(blocks.kernel_ranges(tm, tn, backward=True, group=group), num_batch,
-                                k.shape[-2])
+        ranges = blocks.kernel_ranges(tm, tn, backward=True, group=group, batch=num_batch, heads=k.shape[-2])
     # (Nothing host-side between the preprocess and the main kernel: the sm90 main kernel launches
     # while the preprocess still runs.)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)

@@ -58,6 +58,9 @@ def test_kernel_ranges_keep_every_visible_pair_and_only_full_blocks_full(name: s
     _check_ranges(keep, bm.kernel_ranges(tm, tn), tm, tn)
     _check_ranges(keep.transpose(2, 3), bm.kernel_ranges(tm, tn, backward=True), tn, tm)
     assert bm.kernel_ranges(tm, tn) is bm.kernel_ranges(tm, tn)  # made once per tiling
+    wide = bm.kernel_ranges(tm, tn, batch=2, heads=3)  # (the kernels' argument, once per call shape)
+    assert wide is bm.kernel_ranges(tm, tn, batch=2, heads=3) and wide.is_contiguous()
+    assert torch.equal(wide, bm.kernel_ranges(tm, tn).expand(2, 3, -1, -1))
 
 
 def test_backward_ranges_merge_the_heads_of_a_gqa_group(seed: int) -> None:
