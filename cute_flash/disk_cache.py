@@ -177,6 +177,29 @@ def store(path: Path, compiled: Any) -> bool:
                 os.unlink(leftover)
 
 
+def read_note(key: str, kind: str) -> str | None:
+    """A short text kept beside the entry of ``key`` (what a plan learnt compiling it: its spill
+    bytes), or None."""
+    try:
+        return entry_path(key).with_suffix(f".{kind}").read_text()
+    except OSError:
+        return None
+
+
+def write_note(key: str, kind: str, text: str) -> None:
+    """``read_note``'s text, written whole (a private name renamed into place) or not at all."""
+    path = entry_path(key).with_suffix(f".{kind}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # (an unwritable cache: the plan compiles to learn it again next process)
+
+
 def fetch_or_compile(key: str, compile_fn: Callable[[], Any], dsl_lock: Any = None) -> Any:
     """The cached function for ``key``, else ``compile_fn()`` stored under it. Processes that want
     the same missing entry compile it once: the others wait for the first one's lock, then load.

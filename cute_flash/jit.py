@@ -9,6 +9,7 @@ are symbolic, and the result is launched through TVM-FFI with torch tensors. ``C
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 import threading
 from dataclasses import dataclass, fields
@@ -192,3 +193,67 @@ def compile_artifacts(cfg: KernelConfig) -> tuple[str, bytes]:
     """(PTX text, cubin bytes) of one variant, for inspection."""
     fn = compile_kernel(cfg, keep=True)
     return fn.artifacts.PTX, fn.artifacts.CUBIN
+
+
+# ---------------------------------------------------------------------------------------------
+# Register spills of a compiled variant, read from its cubin (no CUDA tools needed): what a plan
+# that widens a tile until it spills (a user's score_mod / mask_mod) asks.
+# ---------------------------------------------------------------------------------------------
+_EIATTR_FRAME_SIZE = 0x11  # (the ELF ``.nv.info`` attributes ptxas writes per function)
+_EIATTR_MIN_STACK_SIZE = 0x12
+_spills: dict[KernelConfig, int] = {}
+
+
+def _elf_sections(elf: bytes) -> dict[str, bytes]:
+    """Section name -> contents of a 64-bit little-endian ELF file (a cubin)."""
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<I4xQ8xQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][2]
+    out = {}
+    for name, _, off, size in heads:
+        end = elf.index(b"\0", names + name)
+        out[elf[names + name:end].decode()] = elf[off:off + size]
+    return out
+
+
+def cubin_spill_bytes(cubin: bytes) -> int:
+    """The largest stack frame of the cubin's functions plus its local memory, in bytes: what
+    ``cuobjdump -res-usage`` calls STACK and LOCAL (ptxas puts register spills there)."""
+    sections = _elf_sections(cubin)
+    frame = 0
+    info = sections.get(".nv.info", b"")
+    i = 0
+    while i + 2 <= len(info):  # (format byte, attribute byte, then a value by format)
+        fmt, attr = info[i], info[i + 1]
+        i += 2
+        if fmt == 4:  # sized: for these two, (function symbol, bytes)
+            size, = struct.unpack_from("<H", info, i)
+            if attr in (_EIATTR_FRAME_SIZE, _EIATTR_MIN_STACK_SIZE) and size == 8:
+                frame = max(frame, struct.unpack_from("<I", info, i + 6)[0])
+            i += 2 + size
+        elif fmt in (1, 2, 3):
+            i += (0, 1, 2)[fmt - 1]
+        else:
+            break
+    return frame + sum(len(data) for name, data in sections.items() if name.startswith(".nv.local."))
+
+
+def spill_bytes(cfg: KernelConfig) -> int:
+    """``cubin_spill_bytes`` of ``cfg`` compiled: the first ask compiles it (kept in the caches,
+    so launching it after costs nothing more); the answer is remembered beside the disk cache."""
+    got = _spills.get(cfg)
+    if got is not None:
+        return got
+    key = _disk_key(cfg) if disk_cache.enabled() else None
+    note = disk_cache.read_note(key, "spill") if key is not None else None
+    if note is not None and note.isdigit():
+        got = int(note)
+    else:
+        fn = compile_kernel(cfg, keep=True)
+        got = cubin_spill_bytes(fn.artifacts.CUBIN)
+        if key is not None:
+            disk_cache.fetch_or_compile(key, lambda: fn, dsl_lock=_lock)  # (the kept compile, on disk too)
+            disk_cache.write_note(key, "spill", str(got))
+    _spills[cfg] = got
+    return got

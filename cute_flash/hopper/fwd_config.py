@@ -5,7 +5,7 @@ and its plan. The compiled function takes the sm80 forward's arguments
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 
@@ -26,8 +26,8 @@ SM90_FWD_TILES: dict[int, tuple[int, int, int, int, bool]] = {
     192: (128, 96, 2, 2, True),
     256: (128, 80, 2, 2, True),
 }
-# K / V block of the variants with a score_mod / mask_mod: the widest that compiles every built-in
-# spill-free at d 128 (tests/cpu/test_mods.py).
+# K / V block of the variants with a score_mod / mask_mod before ``plan`` widens it: the widest that
+# compiles every built-in spill-free at d 128 (tests/cpu/test_mods.py).
 SM90_MODS_TILE_N = 96
 # A score_mod and a mask_mod together (each with its per-key reads; a block mask's per-block branch):
 # 96 keys spill there, 64 do not.
@@ -123,15 +123,10 @@ class FwdSm90Config(jit.KernelConfig):
             raise ValueError(f"sm90 forward: unsupported head dim {d}")
         defaults = dict(zip(("tile_m", "tile_n", "stages", "num_mma_wg", "pingpong"),
                             sm90_tile(d, self.causal or self.local), strict=True))
-        # A mask_mod alone under a block mask runs on the partial blocks only: the plain tile
-        # (spill-free at d 128 for the built-in masks; 1.3-1.5x faster than 96 keys, docs/tuning.md).
-        sparse_mask = (self.mods is not None and self.mods.block_sparse and self.mods.score_mod is None
-                       and defaults["tile_m"] <= 128)  # (d 64's 192 rows: 64 bytes of spill)
-        if self.mods is not None and not sparse_mask:
-            # A mod's per-key values (positions, aux reads) need registers the 128-key S block uses.
-            defaults["tile_n"] = min(defaults["tile_n"], SM90_MODS_TILE_N)
-            if self.mods.score_mod is not None and self.mods.mask_mod is not None:
-                defaults["tile_n"] = min(defaults["tile_n"], SM90_MODS_BOTH_TILE_N)
+        if self.mods is not None:
+            # A mod's per-key values (positions, aux reads) need registers the 128-key S block uses:
+            # a narrower block here, widened by ``plan`` as far as it compiles spill-free.
+            defaults["tile_n"] = min(defaults["tile_n"], mods_tile_n(self.mods))
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
@@ -178,15 +173,34 @@ class FwdSm90Config(jit.KernelConfig):
                 *signatures.aux_args(self.mods), signatures.blocks_arg(self.mods), stream)
 
 
+def mods_tile_n(mods: Mods) -> int:
+    """The K/V block a variant with ``mods`` compiles at unless ``plan`` widens it."""
+    both = mods.score_mod is not None and mods.mask_mod is not None
+    return SM90_MODS_BOTH_TILE_N if both else SM90_MODS_TILE_N
+
+
+def widest_spill_free(cfg: FwdSm90Config) -> FwdSm90Config:
+    """``cfg`` (a variant with mods) at the widest K/V block, up to the plain kernel's, that compiles
+    without register spills: what a mod needs per score is known only once it is compiled (ALiBi
+    fits the 128-key block at d 128, 1.1x faster than 96 on the H100; a relative-bias gather does
+    not). Each block tried is compiled once (the answer is kept beside the disk cache)."""
+    plain = sm90_tile(max(cfg.hdim, cfg.hdim_v), cfg.causal or cfg.local)[1]
+    for tile_n in range(plain, cfg.tile_n, -32):
+        wider = replace(cfg, tile_n=tile_n)
+        if jit.spill_bytes(wider) == 0:
+            return wider
+    return cfg
+
+
 def plan(p: Problem) -> FwdSm90Config:
     """The forward variant of one problem: packed GQA for short query sequences, and the persistent
     grid where it measured faster (``SM90_PERSISTENT_*``). Sliding windows and varlen keep one CTA
-    per tile."""
+    per tile; with mods, the widest K/V block that compiles spill-free."""
     base = dict(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal, local=p.local,
                 softcap=p.softcap, varlen=p.varlen, sinks=p.sinks, mods=p.mods)
-    if p.varlen or not p.extents_known:
-        return FwdSm90Config(**base)
-    return FwdSm90Config(**base, **launch_fields(p))
+    fields = {} if p.varlen or not p.extents_known else launch_fields(p)
+    cfg = FwdSm90Config(**base, **fields)
+    return cfg if p.mods is None else widest_spill_free(cfg)
 
 
 def launch_fields(p: Problem) -> dict:
