@@ -180,7 +180,7 @@ class BwdSm90Config(jit.KernelConfig):
                 object.__setattr__(self, "stages", 1)
         narrow = self.hdim <= 128
         self._resolve_switches(narrow)
-        if self.prefetch_stats and self.heavy_scores and narrow:
+        if self.prefetch_stats and self.softcap and narrow:
             # (The wide kernel's rows are queries: 2 LSE2 + 2 D registers per thread, room everywhere.)
             raise ValueError("sm90 backward: prefetch_stats in the narrow kernel refuses softcap")
         if self.mask_always is None:

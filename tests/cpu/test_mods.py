@@ -104,6 +104,32 @@ def test_each_builtin_compiles_into_both_forwards(name: str, family: str) -> Non
             assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0, (fn, res)
 
 
+def _problem(mods: m.Mods, d: int = 128):
+    from cute_flash.problem import Problem
+
+    return Problem(target="sm_90a", dtype="bf16", hdim=d, hdim_v=d, causal=True, varlen=False,
+                   max_seqlen_q=8192, max_seqlen_k=8192, heads_q=16, heads_kv=16, batch=1, num_sms=132,
+                   mods=mods)
+
+
+def test_the_forward_plan_widens_a_mods_block_only_as_far_as_it_compiles_spill_free() -> None:
+    """ALiBi fits the plain 128-key block at d 128; the relative-bias gather spills there (read from
+    the cubin's own notes, as cuobjdump reports it) and keeps the mods' default 96 keys."""
+    from dataclasses import replace
+
+    from cute_flash.hopper.fwd_config import plan
+    from cute_flash.tools import inspect as ins
+
+    assert plan(_problem(BUILTINS["alibi"])).tile_n == 128
+    rel = plan(_problem(BUILTINS["relative_bias"]))
+    assert rel.tile_n == 96
+    wide = replace(rel, tile_n=128)
+    assert jit.spill_bytes(wide) > 0
+    if ins.tools_dir() is not None:
+        res = list(ins.cubin_sass_and_usage(jit.compile_artifacts(wide)[1])[1].values())[0]
+        assert jit.spill_bytes(wide) == res["STACK"] + res["LOCAL"]
+
+
 def _bwd_mods(name: str, grads: bool) -> m.Mods:
     mod = {"alibi": m.alibi(), "relative_bias": m.relative_bias(64), "softcap": m.softcap(30.0),
            "document": m.document(), "prefix_lm": m.prefix_lm(),
