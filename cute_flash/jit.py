@@ -12,6 +12,7 @@ import os
 import struct
 import tempfile
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -257,3 +258,10 @@ def spill_bytes(cfg: KernelConfig) -> int:
             disk_cache.write_note(key, "spill", str(got))
     _spills[cfg] = got
     return got
+
+
+def first_spill_free(candidates: Iterable[KernelConfig]) -> KernelConfig | None:
+    """The first of ``candidates`` (widest tile first) that compiles without register spills: how
+    a plan sizes the tiles of a kernel with a user's code in it, which only the compiler can
+    weigh. None if every one spills."""
+    return next((cfg for cfg in candidates if spill_bytes(cfg) == 0), None)

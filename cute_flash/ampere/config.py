@@ -58,13 +58,17 @@ class FwdConfig(jit.KernelConfig):
 
     def __post_init__(self) -> None:
         if self.tiles == (0, 0, 0, 0):
-            d = max(self.hdim, self.hdim_v)
-            table = SM80_FWD_TILES_MASKED if (self.local or self.softcap) else SM80_FWD_TILES
-            tiles = table.get(d, SM80_FWD_TILES[d])
+            tiles = self.plain_tiles()
             if self.mods is not None:
                 # A mod's per-key values need registers the widest S blocks use (tests/cpu/test_mods.py).
                 tiles = (tiles[0], min(tiles[1], SM80_MODS_TILE_N), *tiles[2:])
             object.__setattr__(self, "tiles", tiles)
+
+    def plain_tiles(self) -> tuple[int, int, int, int]:
+        """The tuned tiles of this head dim and masking, before any narrowing for mods."""
+        d = max(self.hdim, self.hdim_v)
+        table = SM80_FWD_TILES_MASKED if (self.local or self.softcap) else SM80_FWD_TILES
+        return table.get(d, SM80_FWD_TILES[d])
 
     def build(self):
         from cute_flash.ampere.fwd import FlashFwdSm80
@@ -258,8 +262,18 @@ class BwdPostConfig(jit.KernelConfig):
 # Plans: the configs one problem launches
 # ---------------------------------------------------------------------------------------------
 def fwd_plan(p: Problem) -> FwdConfig:
-    return FwdConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
-                     local=p.local, softcap=p.softcap, varlen=p.varlen, sinks=p.sinks, mods=p.mods)
+    """The forward of one problem; with mods, the plain K/V block where it compiles spill-free (a
+    mod's cost in registers is known only once compiled: ALiBi fits at d 128, a table gather does
+    not)."""
+    cfg = FwdConfig(target=p.target, dtype=p.dtype, hdim=p.hdim, hdim_v=p.hdim_v, causal=p.causal,
+                    local=p.local, softcap=p.softcap, varlen=p.varlen, sinks=p.sinks, mods=p.mods)
+    if p.mods is None:
+        return cfg
+    plain = cfg.plain_tiles()
+    if plain[1] <= cfg.tiles[1]:
+        return cfg
+    wide = dataclasses.replace(cfg, tiles=(cfg.tiles[0], plain[1], *cfg.tiles[2:]))
+    return jit.first_spill_free([wide]) or cfg
 
 
 def bwd_plan(p: Problem) -> tuple[BwdPreConfig, BwdConfig, BwdPostConfig]:

@@ -185,11 +185,8 @@ def widest_spill_free(cfg: FwdSm90Config) -> FwdSm90Config:
     fits the 128-key block at d 128, 1.1x faster than 96 on the H100; a relative-bias gather does
     not). Each block tried is compiled once (the answer is kept beside the disk cache)."""
     plain = sm90_tile(max(cfg.hdim, cfg.hdim_v), cfg.causal or cfg.local)[1]
-    for tile_n in range(plain, cfg.tile_n, -32):
-        wider = replace(cfg, tile_n=tile_n)
-        if jit.spill_bytes(wider) == 0:
-            return wider
-    return cfg
+    wider = (replace(cfg, tile_n=tile_n) for tile_n in range(plain, cfg.tile_n, -32))
+    return jit.first_spill_free(wider) or cfg
 
 
 def plan(p: Problem) -> FwdSm90Config:
