@@ -193,7 +193,10 @@ class BwdSm90Config(jit.KernelConfig):
         if self.ds_before_dv and not narrow:
             raise ValueError("sm90 backward: ds_before_dv is a narrow-kernel (d <= 128) switch")
         if self.lpt is None:
-            object.__setattr__(self, "lpt", self.causal and not self.varlen and not self.deterministic)
+            # (A block mask's key blocks differ in length as causal ones do: heaviest first.)
+            sparse = self.mods is not None and self.mods.block_sparse
+            lpt = (self.causal or sparse) and not self.varlen and not self.deterministic
+            object.__setattr__(self, "lpt", lpt)
         if self.rotate_m is None:
             rotate = (self.hdim, self.causal or self.local) in SM90_BWD_ROTATE_M and not self.deterministic
             object.__setattr__(self, "rotate_m", rotate)

@@ -96,6 +96,9 @@ class FlashFwdSm90:
         self.has_softcap, self.varlen = cfg.softcap, cfg.varlen
         self.has_sinks = cfg.sinks
         self.mods = cfg.mods
+        # Heaviest query blocks first: the bottom ones of causal / window masks, and of the causal
+        # shapes block masks mostly take (prefix-LM, causal documents).
+        self.lpt = self.is_causal or self.is_local or (self.mods is not None and self.mods.block_sparse)
         # Packed GQA: the ``pack`` query heads sharing a KV head fill the M tile together
         # (decode: one token x ``pack`` heads per row group instead of 1 useful row in 128).
         self.pack = cfg.pack_gqa
@@ -312,7 +315,7 @@ class FlashFwdSm90:
         sched = TileScheduler.create(cute.ceil_div(seqlen_q * self.pack, self.tile_m),
                                      num_head_q // self.pack, self.grid_batches(num_batch, extra),
                                      mK.shape[0], (self.hdim + self.hdim_v) * (self.dtype.width // 8),
-                                     lpt=self.is_causal or self.is_local, varlen=self.varlen,
+                                     lpt=self.lpt, varlen=self.varlen,
                                      l2_sections=self.cfg.l2_sections)
         grid = sched.grid(self.cfg.num_ctas if self.persistent else 0)
         self.kernel(mQ_tma, mK_tma, mV_tma, mO_out, mLSE, mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_K, tma_V,
@@ -432,8 +435,7 @@ class FlashFwdSm90:
     @cute.jit
     def tile_work(self, mQ, mK, geo, tile_idx):
         """One tile: (m_block, head, batch, seqlen, block_info, has_rows, n_block_min, n_block_max)."""
-        m_block, head, batch = TileScheduler.tile(geo.sched_params, tile_idx, self.is_causal or self.is_local,
-                                                  self.varlen)
+        m_block, head, batch = TileScheduler.tile(geo.sched_params, tile_idx, self.lpt, self.varlen)
         seqlen_q = mQ.shape[0][1] if cutlass.const_expr(self.pack > 1) else mQ.shape[0]
         seqlen = SeqlenInfo(batch, seqlen_q, mK.shape[0], geo.mCuSeqlensQ, geo.mCuSeqlensK)
         self.tile_offsets(seqlen, geo.extra, batch)

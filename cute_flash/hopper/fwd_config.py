@@ -136,7 +136,8 @@ class FwdSm90Config(jit.KernelConfig):
         if self.rescale_o_early is None:
             object.__setattr__(self, "rescale_o_early", max(self.hdim, self.hdim_v) > 128)
         if self.l2_sections is None:
-            object.__setattr__(self, "l2_sections", self.causal or self.local)
+            sparse = self.mods is not None and self.mods.block_sparse
+            object.__setattr__(self, "l2_sections", self.causal or self.local or sparse)
         if self.spin_waits is None:
             # Sleeping waits measured faster only for the masked 3-warpgroup d=64 tile.
             object.__setattr__(self, "spin_waits", not ((self.causal or self.local) and self.num_mma_wg == 3))
@@ -216,7 +217,8 @@ def launch_fields(p: Problem) -> dict:
         return dict(tile_m=128, num_mma_wg=2, pingpong=True, num_ctas=p.num_sms, dynamic_tiles=p.causal)
     if p.local or (p.causal and d <= 64 and n < SM90_PERSISTENT_CAUSAL_NARROW_MIN_SEQLEN):
         return fields
-    if p.causal and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
+    if (p.causal or sparse) and (d <= 128 or n <= SM90_PERSISTENT_CAUSAL_WIDE_MAX_SEQLEN):
+        # (A block mask's tiles differ in length as causal ones do: claimed heaviest first.)
         fields.update(num_ctas=p.num_sms, dynamic_tiles=True)
     elif not p.causal and d <= 128 and n <= SM90_PERSISTENT_UNMASKED_MAX_SEQLEN:
         fields.update(num_ctas=p.num_sms)
