@@ -10,7 +10,7 @@ Problems (H 16, d 128, bf16): ALiBi, a relative-position bias table and prefix-L
 (forward 4 * H * pairs * d, backward 2.5 times that; the backward's time is forward + backward
 less the forward).
 
-    python benchmarks/mods.py [--rounds 3] [--out DIR]
+    python benchmarks/mods.py [--rounds 3] [--out DIR] [--only documents ...]
 """
 
 from __future__ import annotations
@@ -181,9 +181,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="mods_out")
+    ap.add_argument("--only", nargs="*", default=[], help="problems whose names contain one of these")
     args = ap.parse_args()
     rows = []
     for name, n, kw, (f_score, f_mask), pairs, lens in problems():
+        if args.only and not any(o in name for o in args.only):
+            continue
         fns = providers(name, n, kw, f_score, f_mask, lens)
         times: dict[str, dict[str, list[float]]] = {p: {"fwd": [], "fwd_bwd": []} for p in fns}
         names = list(fns)

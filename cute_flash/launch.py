@@ -6,6 +6,7 @@ kernel shares one call signature, every backward its pre / main / post signature
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -186,6 +187,24 @@ def run_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softma
     fn(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale),
        float(softcap) if softcap > 0 else 0.0, left, right, mq, *extra, sinks, *aux,
        *([None] * (jit.MAX_AUX - len(aux))), ranges)
+
+
+def profiler_name(name: str):
+    """The op's name on a profiler trace around a direct call (a no-op context unless a profiler
+    runs)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def eager_direct(q: torch.Tensor) -> bool:
+    """An eager call on plain CUDA tensors with no dispatch mode or torch.func transform active:
+    an op's CUDA implementation runs without the dispatcher round trip (~30 us of host time, all of
+    it on a short call's critical path). torch.compile, fake or subclassed tensors, dispatch modes
+    (flop counters, selective checkpointing), vmap / functionalize and CPU tensors see the op."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor and q.is_cuda
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,6 @@ The forward ops are differentiable through ``register_autograd``; the backward o
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from cute_flash import launch, reference, validate
@@ -328,7 +326,7 @@ def _qkv_grads(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, c
         dlse = dlse.float().contiguous()
     if direct:
         varlen = () if ctx.varlen is None else (*cu, *ctx.varlen)
-        with _named("cute_flash::bwd" if ctx.varlen is None else "cute_flash::varlen_bwd"):
+        with launch.profiler_name("cute_flash::bwd" if ctx.varlen is None else "cute_flash::varlen_bwd"):
             return _bwd_cuda(dout, q, k, v, out, lse, scale, causal, (wl, wr), softcap, deterministic,
                              *varlen, dlse=dlse, sinks=sinks)
     flags = (scale, causal, wl, wr, softcap, deterministic, dlse, sinks)
@@ -354,28 +352,12 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_fwd)
 # ---------------------------------------------------------------------------------------------
 # Eager calls
 # ---------------------------------------------------------------------------------------------
-def _named(name: str):
-    """The op's name on a profiler trace (a no-op context unless a profiler runs)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.autograd.profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-def _direct(q: Tensor) -> bool:
-    """An eager call on plain CUDA tensors with no dispatch mode or torch.func transform active:
-    the CUDA implementation runs without the dispatcher round trip (~30 us of host time, all of it
-    on a short call's critical path). torch.compile, fake or subclassed tensors, dispatch modes
-    (flop counters, selective checkpointing), vmap / functionalize and CPU tensors see the op."""
-    return (not torch.compiler.is_compiling() and type(q) is Tensor and q.is_cuda
-            and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._functorch.peek_interpreter_stack() is None)
-
-
 class _EagerForward(torch.autograd.Function):
     """A forward under eager autograd: the op's saved tensors and backward, as its
     ``register_autograd`` registration gives them, at a fraction of that wrapper's host time per
     call (it fills the schema's defaults and flattens the arguments each time: ~40-50 us, which a
-    short attention call pays in full). ``run``: the op, or its CUDA implementation (``_direct``)."""
+    short attention call pays in full). ``run``: the op, or its CUDA implementation
+    (``launch.eager_direct``)."""
 
     @staticmethod
     def forward(ctx, run, setup, direct, q, k, v, rest, sinks):
@@ -408,12 +390,12 @@ def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tupl
     """``op`` on (q, k, v, *rest[, sinks]), differentiable: an eager CUDA call runs ``cuda_kernel``
     (the op's own CUDA implementation) without the dispatcher, under the op's name on profiler
     traces."""
-    direct = _direct(q)
+    direct = launch.eager_direct(q)
 
     def run(inputs: tuple) -> tuple[Tensor, Tensor]:
         if not direct:
             return op(*inputs)
-        with _named(op._qualified_op_name):
+        with launch.profiler_name(op._qualified_op_name):
             return cuda_kernel(*inputs)
 
     if _needs_graph(q, k, v, sinks):

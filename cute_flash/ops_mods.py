@@ -12,6 +12,7 @@ tensors run ``attention_ref`` with the mods' torch forms (forward) and torch aut
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from cute_flash import launch, reference, validate
 from cute_flash.block_mask import BLOCK, BlockMask, block_mask_of
 from cute_flash.device.mods import Mod, Mods
 from cute_flash.jit import MAX_AUX
+from cute_flash.memo import HostMemo
 
 Tensor = torch.Tensor
 
@@ -75,12 +77,20 @@ def kernel_mods(key: str, aux: Sequence[Tensor], grads: Sequence[bool] | None = 
                 sparse: bool = False) -> Mods:
     """What the kernels compile for registered mods ``key`` over ``aux``: the forward's, or with
     ``grads`` (the aux gradient flags) the backward's; ``sparse``: with a block mask."""
-    score, mask = registered(key)
-    backward = grads is not None
-    return Mods(score_mod=score.dsl if score else None, mask_mod=mask.dsl if mask else None,
-                aux=tuple((AUX_TYPES[t.dtype], t.dim()) for t in aux),
-                score_mod_bwd=score.bwd if score and backward else None, aux_grads=tuple(grads or ()),
-                block_sparse=sparse)
+    types = tuple((AUX_TYPES[t.dtype], t.dim()) for t in aux)
+    memo = (key, types, None if grads is None else tuple(grads), sparse)
+    got = _KERNEL_MODS.get(memo)
+    if got is None:
+        score, mask = registered(key)
+        backward = grads is not None
+        got = Mods(score_mod=score.dsl if score else None, mask_mod=mask.dsl if mask else None, aux=types,
+                   score_mod_bwd=score.bwd if score and backward else None, aux_grads=tuple(grads or ()),
+                   block_sparse=sparse)
+        _KERNEL_MODS.put(memo, got)
+    return got
+
+
+_KERNEL_MODS = HostMemo(256)
 
 
 def _blocks(block_any: Tensor | None, block_all: Tensor | None) -> BlockMask | None:
@@ -155,7 +165,7 @@ def mods_fwd(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], cu_seqlens_q: T
 
 
 @mods_fwd.register_kernel("cuda")
-def _(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+def _fwd_cuda(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       window_left, window_right, deterministic, sinks, block_any, block_all, mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     window = (window_left, window_right)
@@ -234,7 +244,7 @@ def _sinks_out(q: Tensor, dsinks: Tensor | None) -> Tensor:
 
 
 @mods_bwd.register_kernel("cuda")
-def _(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _bwd_cuda(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, block_any, block_all,
       mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -283,21 +293,26 @@ def _setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+def _grads(ctx, dout: Tensor | None, dlse: Tensor | None, bwd) -> tuple:
+    """(dq, dk, dv, aux gradients, dsinks) of a ``mods_fwd`` call saved by ``_setup``; ``bwd``:
+    the backward op or its CUDA implementation."""
     q, k, v, out, lse, sinks, cu_q, cu_k, b_any, b_all, *aux = ctx.saved_tensors
-    none = (None,) * 12
     if dout is None and dlse is None:
-        return None, None, None, [None] * len(aux), *none, None
+        return None, None, None, [None] * len(aux), None
     max_q, max_k, scale, causal, wl, wr, deterministic, key = ctx.params
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
-    op = torch.ops.cute_flash.mods_bwd
-    dq, dk, dv, dsinks, grads = op(dout, q, k, v, out, lse, aux, ctx.aux_grad, cu_q, cu_k, max_q, max_k,
-                                   scale, causal, wl, wr, deterministic, dlse, sinks, b_any, b_all, key)
+    dq, dk, dv, dsinks, grads = bwd(dout, q, k, v, out, lse, aux, ctx.aux_grad, cu_q, cu_k, max_q, max_k,
+                                    scale, causal, wl, wr, deterministic, dlse, sinks, b_any, b_all, key)
     it = iter(grads)
     daux = [next(it).to(t.dtype) if g else None for t, g in zip(aux, ctx.aux_grad, strict=True)]
     dsinks = dsinks if sinks is not None and sinks.requires_grad else None
-    return dq, dk, dv, daux, None, None, None, None, None, None, None, None, None, dsinks, None, None, None
+    return dq, dk, dv, daux, dsinks
+
+
+def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+    dq, dk, dv, daux, dsinks = _grads(ctx, dout, dlse, torch.ops.cute_flash.mods_bwd)
+    return dq, dk, dv, daux, *(None,) * 9, dsinks, None, None, None
 
 
 mods_fwd.register_autograd(_backward, setup_context=_setup)
@@ -340,6 +355,47 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
             raise ValueError("deterministic mode does not take a block mask yet")
         launch.check_block_mask(block_mask, q, k, cu_q, max_q, max_k)
         grids = [block_mask.any_visible, block_mask.all_visible]
-    return torch.ops.cute_flash.mods_fwd(q, k, v, list(aux), cu_q, cu_k, max_q or 0, max_k or 0,
-                                         float(scale), bool(causal), int(window[0]), int(window[1]),
-                                         bool(deterministic), sinks, *grids, key)
+    rest = (cu_q, cu_k, max_q or 0, max_k or 0, float(scale), bool(causal), int(window[0]), int(window[1]),
+            bool(deterministic), *grids, key)
+    direct = launch.eager_direct(q)
+    if grads and not torch.compiler.is_compiling():
+        return _EagerModsForward.apply(direct, rest, q, k, v, sinks, *aux)
+    return _run_fwd(direct, rest, q, k, v, sinks, aux)
+
+
+def _run_fwd(direct: bool, rest: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None,
+             aux: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    inputs = _fwd_inputs(rest, q, k, v, sinks, aux)
+    if not direct:
+        return torch.ops.cute_flash.mods_fwd(*inputs)
+    with launch.profiler_name("cute_flash::mods_fwd"):
+        return _fwd_cuda(*inputs)
+
+
+def _fwd_inputs(rest: tuple, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, aux: Sequence[Tensor]):
+    """``mods_fwd``'s arguments from ``mods_attention``'s ``rest`` (all but the tensors autograd
+    sees)."""
+    return (q, k, v, list(aux), *rest[:9], sinks, *rest[9:])
+
+
+class _EagerModsForward(torch.autograd.Function):
+    """``mods_fwd`` under eager autograd, its saved tensors and backward as ``register_autograd``
+    gives them, without that wrapper's host time per call (schema defaults, argument flattening,
+    the dispatcher: ~0.3 ms of a short call's critical path); ``direct``: the CUDA implementations
+    are called directly (``launch.eager_direct``)."""
+
+    @staticmethod
+    def forward(ctx, direct, rest, q, k, v, sinks, *aux):
+        output = _run_fwd(direct, rest, q, k, v, sinks, aux)
+        _setup(ctx, _fwd_inputs(rest, q, k, v, sinks, aux), output)
+        ctx.direct = direct
+        return output
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        # (create_graph=True goes through the op, whose missing double backward then raises.)
+        direct = ctx.direct and not torch.is_grad_enabled()
+        bwd = _bwd_cuda if direct else torch.ops.cute_flash.mods_bwd
+        with launch.profiler_name("cute_flash::mods_bwd") if direct else contextlib.nullcontext():
+            dq, dk, dv, daux, dsinks = _grads(ctx, dout, dlse, bwd)
+        return None, None, dq, dk, dv, dsinks, *daux

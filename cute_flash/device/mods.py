@@ -34,11 +34,37 @@ from cutlass import Float32, Int32
 
 from cute_flash.device.layout import acc_to_mn
 from cute_flash.jit import MAX_AUX
+from cute_flash.memo import HostMemo
 
 
 def callable_key(fn: Callable) -> str:
     """A name for ``fn`` that changes when its code, constants or captured values do: the compile
-    cache keys on it (in memory and on disk). ``cute.jit`` wrappers are looked through."""
+    cache keys on it (in memory and on disk). ``cute.jit`` wrappers are looked through. Captured
+    values are told apart by identity first (a call's host time: the full key hashes every repr),
+    so a captured container changed in place keeps its key: rebind it instead."""
+    inner = inspect.unwrap(fn)
+    held = (*_captured(inner), inner.__defaults__, inner.__kwdefaults__)
+    got = _KEYS.get(fn)
+    if got is None or len(got[0]) != len(held) or any(a is not b for a, b in zip(got[0], held, strict=True)):
+        got = (held, _callable_key(fn))  # (the values held too: their ids stay theirs)
+        _KEYS.put(fn, got)
+    return got[1]
+
+
+def _captured(fn: Callable) -> tuple:
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # (a cell not bound yet)
+            out.append(None)
+    return tuple(out)
+
+
+_KEYS = HostMemo(1024)
+
+
+def _callable_key(fn: Callable) -> str:
     fn = inspect.unwrap(fn)
     code = fn.__code__
     h = hashlib.sha256(code.co_code)
@@ -88,9 +114,13 @@ class Mods:
             raise ValueError("aux gradients come from the score_mod's derivative (score_mod_bwd)")
         if self.block_sparse and self.mask_mod is None:
             raise ValueError("a block mask goes with the mask_mod it was made from")
+        object.__setattr__(self, "_key", self._make_key())  # (every cache lookup hashes it)
 
     @property
     def key(self) -> str:
+        return self._key
+
+    def _make_key(self) -> str:
         fns = (self.score_mod, self.mask_mod, self.score_mod_bwd)
         names = [callable_key(f) if f is not None else "-" for f in fns]
         key = f"score={names[0]},mask={names[1]},aux={self.aux}"

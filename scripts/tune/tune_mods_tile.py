@@ -56,8 +56,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", nargs="+", default=["shipped", "tile_n=96", "tile_n=128"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=[], help="problems whose names contain one of these")
     args = ap.parse_args()
     for name, n, kw, _, pairs, _ in bench.problems():
+        if args.only and not any(o in name for o in args.only):
+            continue
         q, k, v = (torch.randn(1, n, bench.H, bench.D, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)

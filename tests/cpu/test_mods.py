@@ -27,6 +27,20 @@ def test_the_compile_key_follows_code_and_captured_values() -> None:
         m.Mods()
 
 
+def test_the_compile_key_follows_a_captured_value_rebound_between_calls() -> None:
+    scale = 1.0
+
+    def mod(score, b, h, q_idx, kv_idx, aux):
+        return score * scale
+
+    first = m.callable_key(mod)
+    scale = 2.0
+    assert m.callable_key(mod) != first
+    scale = 1.0
+    assert m.callable_key(mod) == first
+    assert scale == 1.0
+
+
 def _qkv(b=2, n=37, h=4, d=16):
     return (torch.randn(b, n, h, d, dtype=torch.float64) for _ in range(3))
 
