@@ -259,6 +259,36 @@ def test_gradients_reach_q_k_v_and_a_learnable_bias_table(seed: int) -> None:
         torch.testing.assert_close(g, w.to(g.dtype))
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["through the op", "without the dispatcher"])
+def test_eager_mods_calls_give_the_gradients_of_the_ops_own_registration(seed: int, direct: bool,
+                                                                          monkeypatch) -> None:
+    """Eager calls record their own autograd node (and on CUDA tensors call the implementations
+    directly: here the ops stand in for them); out, lse and the gradients of q, k, v, a learnable
+    table and the sinks match the op's ``register_autograd``."""
+    from cute_flash import launch, ops_mods
+
+    if direct:
+        monkeypatch.setattr(launch, "eager_direct", lambda q: True)
+        monkeypatch.setattr(ops_mods, "_fwd_cuda", lambda *a: torch.ops.cute_flash.mods_fwd(*a))
+        monkeypatch.setattr(ops_mods, "_bwd_cuda", lambda *a: torch.ops.cute_flash.mods_bwd(*a))
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkv(n=11, d=32))
+    table = torch.randn(4, 2 * 4 + 1, requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    kw = dict(scale=0.3, causal=True, window=(-1, -1), softcap=0.0, deterministic=False, sinks=sinks,
+              score_mod=m.relative_bias(4), mask_mod=None, aux=(table,))
+    eager = ops_mods.mods_attention(q, k, v, **kw)
+    key = ops_mods.register_mods(m.relative_bias(4), None)
+    op = torch.ops.cute_flash.mods_fwd(q, k, v, [table], None, None, 0, 0, 0.3, True, -1, -1, False, sinks,
+                                       None, None, key)
+    assert eager[0].grad_fn.name() != op[0].grad_fn.name()
+    results = []
+    for out, lse in (eager, op):
+        loss = (out.float() * 0.5).sum() + lse.sin().sum()
+        results.append((out, lse, *torch.autograd.grad(loss, (q, k, v, table, sinks))))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_user_mod_with_its_derivative_gives_its_tables_gradient(seed: int) -> None:
     import cute_flash
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import cute_flash
-from cute_flash import ops
+from cute_flash import launch, ops
 from cute_flash.reference import attention_ref
 
 BF16 = torch.bfloat16
@@ -124,7 +124,7 @@ def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, va
     (here: the CPU implementations standing in for the CUDA ones); out, lse and every gradient
     match the op called directly."""
     if direct:
-        monkeypatch.setattr(ops, "_direct", lambda q: True)
+        monkeypatch.setattr(launch, "eager_direct", lambda q: True)
         monkeypatch.setattr(ops, "_fwd_cuda", ops._fwd_cpu)
         monkeypatch.setattr(ops, "_bwd_cuda", ops._bwd_cpu)
     q, k, v = qkv(nq=10, nk=10, requires_grad=True)
@@ -149,7 +149,7 @@ def test_eager_autograd_gives_the_gradients_of_the_ops_own_registration(seed, va
 @pytest.mark.parametrize("direct", [False, True], ids=["through the op", "without the dispatcher"])
 def test_double_backward_raises_instead_of_dropping_second_order_terms(seed, direct, monkeypatch):
     if direct:
-        monkeypatch.setattr(ops, "_direct", lambda q: True)
+        monkeypatch.setattr(launch, "eager_direct", lambda q: True)
         monkeypatch.setattr(ops, "_fwd_cuda", ops._fwd_cpu)
         monkeypatch.setattr(ops, "_bwd_cuda", ops._bwd_cpu)
     q, k, v = qkv(nq=6, nk=6, requires_grad=True)
@@ -169,13 +169,13 @@ def test_only_plain_eager_cuda_calls_skip_the_dispatcher(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     q = torch.randn(2, 3)
-    assert not ops._direct(q) and not ops._direct(q.to("meta"))
+    assert not launch.eager_direct(q) and not launch.eager_direct(q.to("meta"))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert ops._direct(q)
+    assert launch.eager_direct(q)
     with Seen():
-        assert not ops._direct(q)
+        assert not launch.eager_direct(q)
     seen = []
-    torch.func.vmap(lambda x: seen.append(ops._direct(x)) or x)(q)
+    torch.func.vmap(lambda x: seen.append(launch.eager_direct(x)) or x)(q)
     assert seen == [False]
 
 
