@@ -127,6 +127,9 @@ class FwdSm90Config(jit.KernelConfig):
             # A mod's per-key values (positions, aux reads) need registers the 128-key S block uses:
             # a narrower block here, widened by ``plan`` as far as it compiles spill-free.
             defaults["tile_n"] = min(defaults["tile_n"], mods_tile_n(self.mods))
+            # The mod's work lengthens the softmax: the two warpgroups' GEMMs take turns around it
+            # (1.04-1.12x at d 128, docs/tuning.md).
+            defaults["pingpong"] = defaults["pingpong"] or defaults["num_mma_wg"] == 2
         if self.tile_m and not self.num_mma_wg:  # an explicit tile_m implies its warpgroup count
             defaults["num_mma_wg"] = self.tile_m // 64
         for name, value in defaults.items():
