@@ -205,8 +205,8 @@ _EIATTR_MIN_STACK_SIZE = 0x12
 _spills: dict[KernelConfig, int] = {}
 
 
-def _elf_sections(elf: bytes) -> dict[str, bytes]:
-    """Section name -> contents of a 64-bit little-endian ELF file (a cubin)."""
+def _elf_sections(elf: bytes) -> dict[str, tuple[int, int]]:
+    """Section name -> (file offset, size) of a 64-bit little-endian ELF file (a cubin)."""
     shoff, = struct.unpack_from("<Q", elf, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     heads = [struct.unpack_from("<I4xQ8xQQ", elf, shoff + i * shentsize) for i in range(shnum)]
@@ -214,7 +214,7 @@ def _elf_sections(elf: bytes) -> dict[str, bytes]:
     out = {}
     for name, _, off, size in heads:
         end = elf.index(b"\0", names + name)
-        out[elf[names + name:end].decode()] = elf[off:off + size]
+        out[elf[names + name:end].decode()] = (off, size)
     return out
 
 
@@ -222,8 +222,9 @@ def cubin_spill_bytes(cubin: bytes) -> int:
     """The largest stack frame of the cubin's functions plus its local memory, in bytes: what
     ``cuobjdump -res-usage`` calls STACK and LOCAL (ptxas puts register spills there)."""
     sections = _elf_sections(cubin)
+    off, size = sections.get(".nv.info", (0, 0))
+    info = cubin[off:off + size]
     frame = 0
-    info = sections.get(".nv.info", b"")
     i = 0
     while i + 2 <= len(info):  # (format byte, attribute byte, then a value by format)
         fmt, attr = info[i], info[i + 1]
@@ -237,7 +238,8 @@ def cubin_spill_bytes(cubin: bytes) -> int:
             i += (0, 1, 2)[fmt - 1]
         else:
             break
-    return frame + sum(len(data) for name, data in sections.items() if name.startswith(".nv.local."))
+    # (Local memory sections hold no file bytes: their header's size is the amount.)
+    return frame + sum(size for name, (_, size) in sections.items() if name.startswith(".nv.local."))
 
 
 def spill_bytes(cfg: KernelConfig) -> int:
