@@ -166,7 +166,7 @@ def mods_fwd(q: Tensor, k: Tensor, v: Tensor, aux: list[Tensor], cu_seqlens_q: T
 
 @mods_fwd.register_kernel("cuda")
 def _fwd_cuda(q, k, v, aux, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left, window_right, deterministic, sinks, block_any, block_all, mods_key):
+              window_left, window_right, deterministic, sinks, block_any, block_all, mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     window = (window_left, window_right)
     _check(q, k, v, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_q, max_k, sinks)
@@ -244,9 +244,9 @@ def _sinks_out(q: Tensor, dsinks: Tensor | None) -> Tensor:
 
 
 @mods_bwd.register_kernel("cuda")
-def _bwd_cuda(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks, block_any, block_all,
-      mods_key):
+def _bwd_cuda(dout, q, k, v, out, lse, aux, aux_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, deterministic, dlse, sinks,
+              block_any, block_all, mods_key):
     max_q, max_k = _varlen(cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = _grad_shapes(aux, aux_grad)
