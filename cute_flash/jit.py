@@ -8,7 +8,9 @@ are symbolic, and the result is launched through TVM-FFI with torch tensors. ``C
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -140,6 +142,8 @@ def _dump_dir() -> str:
     global _DUMP_DIR
     if _DUMP_DIR is None:
         _DUMP_DIR = tempfile.mkdtemp(prefix="cute_flash_dump_")
+        # (Kept artefacts are read in memory; plans that compile to size a tile leave none behind.)
+        atexit.register(shutil.rmtree, _DUMP_DIR, ignore_errors=True)
     return _DUMP_DIR
 
 
