@@ -295,11 +295,11 @@ def entries() -> list[Path]:
 
 
 def clear() -> int:
-    """Remove the entries, locks and temporaries of every fingerprint folder (and the folders);
+    """Remove the entries, their notes, locks and temporaries of every fingerprint folder (and the folders);
     returns how many entries went. Nothing else in the cache folder is touched."""
     gone = 0
     for d in _fingerprint_dirs():
-        for p in [*d.glob("*.cfk"), *d.glob("*.lock"), *d.glob(".*.tmp*")]:
+        for p in [*d.glob("*.cfk"), *d.glob("*.lock"), *d.glob("*.spill"), *d.glob(".*.tmp*")]:
             with contextlib.suppress(OSError):
                 p.unlink()
                 gone += p.suffix == ".cfk"

@@ -224,26 +224,30 @@ def _elf_sections(elf: bytes) -> dict[str, tuple[int, int]]:
 
 def cubin_spill_bytes(cubin: bytes) -> int:
     """The largest stack frame of the cubin's functions plus its local memory, in bytes: what
-    ``cuobjdump -res-usage`` calls STACK and LOCAL (ptxas puts register spills there)."""
+    ``cuobjdump -res-usage`` calls STACK and LOCAL (ptxas puts register spills there).
+    ``UNREADABLE`` where the notes are not in the form expected (a plan then takes it as
+    spilling)."""
     sections = _elf_sections(cubin)
-    off, size = sections.get(".nv.info", (0, 0))
+    if ".nv.info" not in sections:
+        return UNREADABLE
+    off, size = sections[".nv.info"]
     info = cubin[off:off + size]
     frame = 0
     i = 0
-    while i + 2 <= len(info):  # (format byte, attribute byte, then a value by format)
-        fmt, attr = info[i], info[i + 1]
-        i += 2
+    while i + 4 <= len(info):  # (format byte, attribute byte, then two bytes: a value or a size)
+        fmt, attr, value = info[i], info[i + 1], struct.unpack_from("<H", info, i + 2)[0]
+        i += 4
         if fmt == 4:  # sized: for these two, (function symbol, bytes)
-            size, = struct.unpack_from("<H", info, i)
-            if attr in (_EIATTR_FRAME_SIZE, _EIATTR_MIN_STACK_SIZE) and size == 8:
-                frame = max(frame, struct.unpack_from("<I", info, i + 6)[0])
-            i += 2 + size
-        elif fmt in (1, 2, 3):
-            i += (0, 1, 2)[fmt - 1]
-        else:
-            break
+            if attr in (_EIATTR_FRAME_SIZE, _EIATTR_MIN_STACK_SIZE) and value == 8:
+                frame = max(frame, struct.unpack_from("<I", info, i + 4)[0])
+            i += value
+        elif fmt not in (1, 2, 3):  # (no value, a byte, a half-word: all in those two bytes)
+            return UNREADABLE
     # (Local memory sections hold no file bytes: their header's size is the amount.)
     return frame + sum(size for name, (_, size) in sections.items() if name.startswith(".nv.local."))
+
+
+UNREADABLE = 1 << 30
 
 
 def spill_bytes(cfg: KernelConfig) -> int:
@@ -260,7 +264,8 @@ def spill_bytes(cfg: KernelConfig) -> int:
         fn = compile_kernel(cfg, keep=True)
         got = cubin_spill_bytes(fn.artifacts.CUBIN)
         if key is not None:
-            disk_cache.fetch_or_compile(key, lambda: fn, dsl_lock=_lock)  # (the kept compile, on disk too)
+            with _lock:  # (the kept compile, on disk too; loading an entry takes the DSL's lock)
+                disk_cache.fetch_or_compile(key, lambda: fn, dsl_lock=_lock)
             disk_cache.write_note(key, "spill", str(got))
     _spills[cfg] = got
     return got

@@ -197,6 +197,12 @@ def profiler_name(name: str):
     return contextlib.nullcontext()
 
 
+def eager_autograd() -> bool:
+    """Eager autograd records a call (no torch.compile trace, no torch.func transform: both take
+    an op's own ``register_autograd``)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+
+
 def eager_direct(q: torch.Tensor) -> bool:
     """An eager call on plain CUDA tensors with no dispatch mode or torch.func transform active:
     an op's CUDA implementation runs without the dispatcher round trip (~30 us of host time, all of

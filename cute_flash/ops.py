@@ -382,7 +382,7 @@ def _needs_graph(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -
     """Eager autograd will record this call (torch.compile traces the op's own registration)."""
     grads = q.requires_grad or k.requires_grad or v.requires_grad
     grads = grads or (sinks is not None and sinks.requires_grad)
-    return torch.is_grad_enabled() and grads and not torch.compiler.is_compiling()
+    return torch.is_grad_enabled() and grads and launch.eager_autograd()
 
 
 def _forward(op, cuda_kernel, setup, q: Tensor, k: Tensor, v: Tensor, rest: tuple,

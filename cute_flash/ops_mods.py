@@ -358,7 +358,7 @@ def mods_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: boo
     rest = (cu_q, cu_k, max_q or 0, max_k or 0, float(scale), bool(causal), int(window[0]), int(window[1]),
             bool(deterministic), *grids, key)
     direct = launch.eager_direct(q)
-    if grads and not torch.compiler.is_compiling():
+    if grads and launch.eager_autograd():
         return _EagerModsForward.apply(direct, rest, q, k, v, sinks, *aux)
     return _run_fwd(direct, rest, q, k, v, sinks, aux)
 

@@ -39,16 +39,25 @@ from cute_flash.memo import HostMemo
 
 def callable_key(fn: Callable) -> str:
     """A name for ``fn`` that changes when its code, constants or captured values do: the compile
-    cache keys on it (in memory and on disk). ``cute.jit`` wrappers are looked through. Captured
-    values are told apart by identity first (a call's host time: the full key hashes every repr),
-    so a captured container changed in place keeps its key: rebind it instead."""
+    cache keys on it (in memory and on disk). ``cute.jit`` wrappers are looked through. Where every
+    captured value and default is immutable (numbers, strings, tuples of them: the built-ins'),
+    the key is hashed once per set of those objects (a call's host time); otherwise every call
+    hashes their reprs, so a container changed in place changes the key."""
     inner = inspect.unwrap(fn)
     held = (*_captured(inner), inner.__defaults__, inner.__kwdefaults__)
+    if not all(_immutable(v) for v in held):
+        return _callable_key(fn)
     got = _KEYS.get(fn)
     if got is None or len(got[0]) != len(held) or any(a is not b for a, b in zip(got[0], held, strict=True)):
         got = (held, _callable_key(fn))  # (the values held too: their ids stay theirs)
         _KEYS.put(fn, got)
     return got[1]
+
+
+def _immutable(value: object) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    return isinstance(value, (tuple, frozenset)) and all(_immutable(v) for v in value)
 
 
 def _captured(fn: Callable) -> tuple:

@@ -41,6 +41,17 @@ def test_the_compile_key_follows_a_captured_value_rebound_between_calls() -> Non
     assert scale == 1.0
 
 
+def test_the_compile_key_follows_a_captured_container_changed_in_place() -> None:
+    offsets = [0, 4]
+
+    def mod(b, h, q_idx, kv_idx, aux):
+        return kv_idx >= q_idx - offsets[1]
+
+    first = m.callable_key(mod)
+    offsets[1] = 8
+    assert m.callable_key(mod) != first
+
+
 def _qkv(b=2, n=37, h=4, d=16):
     return (torch.randn(b, n, h, d, dtype=torch.float64) for _ in range(3))
 
