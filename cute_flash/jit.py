@@ -264,8 +264,9 @@ def spill_bytes(cfg: KernelConfig) -> int:
         fn = compile_kernel(cfg, keep=True)
         got = cubin_spill_bytes(fn.artifacts.CUBIN)
         if key is not None:
-            with _lock:  # (the kept compile, on disk too; loading an entry takes the DSL's lock)
-                disk_cache.fetch_or_compile(key, lambda: fn, dsl_lock=_lock)
+            if got == 0:  # (a spilling width is never launched: only its note is kept)
+                with _lock:  # (the kept compile, on disk too; loading an entry takes the DSL's lock)
+                    disk_cache.fetch_or_compile(key, lambda: fn, dsl_lock=_lock)
             disk_cache.write_note(key, "spill", str(got))
     _spills[cfg] = got
     return got
