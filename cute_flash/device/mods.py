@@ -14,7 +14,10 @@ functions are CuTe-DSL code: arithmetic, comparisons, ``cute.math`` (exp, log, t
 (closures too; they are part of the compile key); ``&`` / ``|`` combine conditions, and a mod
 decorated with ``cute.jit`` may use ``if`` / ``and`` / ``or`` as well. Positions past a
 sequence's end are clamped to its last query / key before the mods see them (those scores are
-masked, those rows never stored), so a table lookup by position stays in range. The kernels take
+masked, those rows never stored), so a table lookup by position stays in range; an sm90 forward
+block wholly inside both sequences skips the clamp, so the compiler sees each thread's positions as one base plus
+constants and shares what a mod computes from ``kv_idx - q_idx`` between the thread's rows (two
+rows eight apart read the same relative offsets, one key block-column apart). The kernels take
 them through their configs (``mods``: ``Mods``) and the launchers (``launch.run_fwd`` /
 ``run_bwd(mods=, aux=, aux_grads=, blocks=)``); a block mask (``block_mask.py``) narrows the
 blocks visited and spares the full ones the mask_mod.
@@ -189,18 +192,25 @@ def grad_add(t: cute.Tensor, coord, value: Float32) -> None:
     cute.arch.atomic_add(t.iterator + cute.crd2idx(coord, t.layout), value.to(t.element_type))
 
 
-def _axis_index(pos: Int32, base: Int32, is_query: bool, head: Int32, pack: int, seqlen: Int32):
+def _axis_index(pos: Int32, base: Int32, is_query: bool, head: Int32, pack: int, seqlen: Int32, clamp: bool):
     """(head, position) of tile-local ``pos`` on the query or the key axis, the position clamped to
-    the sequence (so that the mods' table reads stay in range)."""
+    the sequence (so that the mods' table reads stay in range) unless the block lies inside it."""
     idx = base + pos
     h = head
     if is_query and pack > 1:
         h, idx = head * pack + idx % pack, idx // pack
-    return h, cutlass.min(idx, seqlen - 1)
+    return h, cutlass.min(idx, seqlen - 1) if clamp else idx
+
+
+def inside(where: tuple, extent: tuple[int, int]) -> cutlass.Boolean:
+    """Whether a block of ``extent`` (queries, keys) at ``where`` (``mod_scores``' arguments after
+    the accumulator) lies inside both sequences: its positions need no clamp."""
+    q0, k0, seqlen_q, seqlen_k = where[2], where[3], where[7], where[8]
+    return (q0 + extent[0] <= seqlen_q) & (k0 + extent[1] <= seqlen_k)
 
 
 def _each_score(fn: Callable, acc_mn: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32, k0: Int32,
-                head: Int32, pack: int, seqlen_q: Int32, seqlen_k: Int32) -> None:
+                head: Int32, pack: int, seqlen_q: Int32, seqlen_k: Int32, clamp: bool = True) -> None:
     """``fn(r, c, h, q_idx, kv_idx)`` over every element of an (rows, cols) accumulator view, whose
     tile-local coordinates ``coords`` hold the query on mode ``q_mode`` (the backward's S^T holds
     it on the columns). Column by column: what a mod reads per column is used by the thread's rows
@@ -209,9 +219,10 @@ def _each_score(fn: Callable, acc_mn: cute.Tensor, coords: cute.Tensor, q_mode: 
     rows = cute.size(acc_mn, mode=[0])
     row_base, row_len = (q0, seqlen_q) if q_mode == 0 else (k0, seqlen_k)
     col_base, col_len = (k0, seqlen_k) if q_mode == 0 else (q0, seqlen_q)
-    row_idx = [_axis_index(coords[r, 0][0], row_base, q_mode == 0, head, pack, row_len) for r in range(rows)]
+    row_idx = [_axis_index(coords[r, 0][0], row_base, q_mode == 0, head, pack, row_len, clamp)
+               for r in range(rows)]
     for c in range(cute.size(acc_mn, mode=[1])):
-        col_h, col_idx = _axis_index(coords[0, c][1], col_base, q_mode == 1, head, pack, col_len)
+        col_h, col_idx = _axis_index(coords[0, c][1], col_base, q_mode == 1, head, pack, col_len, clamp)
         for r in range(rows):
             if q_mode == 0:
                 fn(r, c, row_idx[r][0], row_idx[r][1], col_idx)
@@ -221,14 +232,14 @@ def _each_score(fn: Callable, acc_mn: cute.Tensor, coords: cute.Tensor, q_mode: 
 
 def mod_scores(mods: Mods, acc_S: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32, k0: Int32,
                batch: Int32, head: Int32, pack: int, seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
-               softmax_scale: Float32, pre: cute.Tensor | None = None) -> None:
+               softmax_scale: Float32, pre: cute.Tensor | None = None, clamp: bool = True) -> None:
     """``mods`` on one S (or S^T) block in place: with a score_mod the scores leave scaled (the
     softmax then takes log2(e) as its scale); with a mask_mod the keys it rejects become -inf.
     ``coords``: the tile-local coordinates of ``acc_S``'s elements in (rows, cols) form; ``q0`` /
     ``k0``: the block's first query / key; ``head``: the query head, or with packed GQA the KV
     head (row r is query head head * pack + r % pack). ``pre``: where the backward keeps the
-    scores the score_mod saw (its derivative reads them). (Plain Python, called while a kernel
-    traces.)"""
+    scores the score_mod saw (its derivative reads them); ``clamp``: False where the block lies
+    inside both sequences (``inside``). (Plain Python, called while a kernel traces.)"""
     acc_mn = acc_to_mn(acc_S)
     pre_mn = acc_to_mn(pre) if pre is not None else None
 
@@ -242,7 +253,7 @@ def mod_scores(mods: Mods, acc_S: cute.Tensor, coords: cute.Tensor, q_mode: int,
             keep = mods.mask_mod(batch, h, q_idx, kv_idx, aux)
             acc_mn[r, c] = cutlass.select_(keep, acc_mn[r, c], -Float32.inf)
 
-    _each_score(one, acc_mn, coords, q_mode, q0, k0, head, pack, seqlen_q, seqlen_k)
+    _each_score(one, acc_mn, coords, q_mode, q0, k0, head, pack, seqlen_q, seqlen_k, clamp)
 
 
 def mod_grads(mods: Mods, acc_dS: cute.Tensor, pre: cute.Tensor, coords: cute.Tensor, q_mode: int, q0: Int32,
@@ -276,31 +287,47 @@ def outside_full(block: Int32, full) -> cutlass.Boolean:
 
 
 @cute.jit
-def mod_scores_in_block(mods: cutlass.Constexpr, acc_S: cute.Tensor, where: tuple, pre, block: Int32,
-                        full) -> None:
-    """``mod_scores(mods, acc_S, *where, pre)`` on one block; under a block mask (``full``: its run
-    of full blocks, ``block_range``) the mask_mod runs only on the blocks outside that run (a
-    uniform branch per block), the score_mod on every block."""
+def _mods_on_block(mods: cutlass.Constexpr, acc_S: cute.Tensor, where: tuple, pre, block: Int32, full,
+                   clamp: cutlass.Constexpr[bool]) -> None:
     if cutlass.const_expr(full is None):
-        mod_scores(mods, acc_S, *where, pre)
+        mod_scores(mods, acc_S, *where, pre, clamp)
     else:
         if cutlass.const_expr(mods.score_mod is not None):
-            mod_scores(mods.part(score=True), acc_S, *where, pre)
+            mod_scores(mods.part(score=True), acc_S, *where, pre, clamp)
         if outside_full(block, full):
-            mod_scores(mods.part(score=False), acc_S, *where)
+            mod_scores(mods.part(score=False), acc_S, *where, None, clamp)
+
+
+@cute.jit
+def mod_scores_in_block(mods: cutlass.Constexpr, acc_S: cute.Tensor, where: tuple, pre, block: Int32,
+                        full, extent: cutlass.Constexpr = None) -> None:
+    """``mod_scores(mods, acc_S, *where, pre)`` on one block; under a block mask (``full``: its run
+    of full blocks, ``block_range``) the mask_mod runs only on the blocks outside that run (a
+    uniform branch per block), the score_mod on every block. ``extent``: the block's (queries,
+    keys), given where it may lie inside both sequences: a uniform branch then takes the code
+    without the positions' clamp (packed GQA rows always clamp)."""
+    if cutlass.const_expr(extent is None or where[6] > 1):
+        _mods_on_block(mods, acc_S, where, pre, block, full, True)
+    else:
+        if inside(where, extent):
+            _mods_on_block(mods, acc_S, where, pre, block, full, False)
+        else:
+            _mods_on_block(mods, acc_S, where, pre, block, full, True)
 
 
 @cute.jit
 def apply_mods(mods: cutlass.Constexpr, acc_S: cute.Tensor, thr_mma, tile_m: cutlass.Constexpr[int],
                tile_n: cutlass.Constexpr[int], m_block: Int32, n_block: Int32, batch: Int32, head: Int32,
                pack: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32, aux: tuple,
-               softmax_scale: Float32, full=None) -> None:
+               softmax_scale: Float32, full=None, partial: cutlass.Constexpr[bool] = True) -> None:
     """``mod_scores_in_block`` on a forward's S block (queries on the rows) of query block
-    ``m_block`` and K/V block ``n_block``."""
+    ``m_block`` and K/V block ``n_block``; ``partial``: the block may run past the keys' end (the
+    forward's first block), so its positions are always clamped. (The sm80 forward clamps every
+    block: the unclamped code beside the clamped one spills its registers.)"""
     coords = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((tile_m, tile_n))))
     where = (coords, 0, m_block * tile_m, n_block * tile_n, batch, head, pack, seqlen_q, seqlen_k, aux,
              softmax_scale)
-    mod_scores_in_block(mods, acc_S, where, None, n_block, full)
+    mod_scores_in_block(mods, acc_S, where, None, n_block, full, None if partial else (tile_m, tile_n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +344,8 @@ def alibi(at: int = 0) -> Mod:
     """score + slope[h] * (kv_idx - q_idx); aux[at]: (H,) float32 slopes (learnable: their
     gradient sums grad * (kv_idx - q_idx))."""
     # Positions converted on their own (once per row / key: the conversions are shared across the
-    # block) and subtracted in fp32, exact below 2^24: an int-to-float conversion per score runs at
-    # a sixteenth of the FMA rate.
+    # block) and subtracted in fp32, exact below 2^24: ptxas recomputes a shared per-offset value
+    # at each score rather than hold it, and a conversion costs more than the subtraction.
     @cute.jit
     def score_mod(score, b, h, q_idx, kv_idx, aux):
         return score + aux[at][h] * (kv_idx.to(Float32) - q_idx.to(Float32))

@@ -685,7 +685,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.mods is not None):
             apply_mods(self.mods, acc_S, ctx.thr_qk, self.tile_m, self.tile_n, ctx.m_block, n_block,
                        ctx.batch, ctx.head, self.pack, ctx.seqlen.seqlen_q, ctx.seqlen.seqlen_k, ctx.aux,
-                       ctx.score_scale, ctx.full)
+                       ctx.score_scale, ctx.full, partial)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 acc_S[i] = cute.math.tanh(acc_S[i] * ctx.score_scale, fastmath=True)
