@@ -15,9 +15,9 @@ functions are CuTe-DSL code: arithmetic, comparisons, ``cute.math`` (exp, log, t
 decorated with ``cute.jit`` may use ``if`` / ``and`` / ``or`` as well. Positions past a
 sequence's end are clamped to its last query / key before the mods see them (those scores are
 masked, those rows never stored), so a table lookup by position stays in range; an sm90 forward
-block wholly inside both sequences skips the clamp, so the compiler sees each thread's positions as one base plus
-constants and shares what a mod computes from ``kv_idx - q_idx`` between the thread's rows (two
-rows eight apart read the same relative offsets, one key block-column apart). The kernels take
+block wholly inside both sequences skips the clamp, so the compiler sees each thread's positions
+as one base plus constants and shares what a mod computes from ``kv_idx - q_idx`` between the
+thread's rows (two rows eight apart read the same relative offsets, eight keys apart). The kernels take
 them through their configs (``mods``: ``Mods``) and the launchers (``launch.run_fwd`` /
 ``run_bwd(mods=, aux=, aux_grads=, blocks=)``); a block mask (``block_mask.py``) narrows the
 blocks visited and spares the full ones the mask_mod.
