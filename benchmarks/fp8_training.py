@@ -68,7 +68,10 @@ def attention_fn(kind: str):
         raise ValueError(f"unknown attention kind {kind!r}")
     fp8_fwd, recipe = RECIPE_KINDS[name]
     if fields:
-        recipe = replace(recipe, **dict(f.split("=") for f in fields.split(",")))
+        pairs = dict(f.split("=") for f in fields.split(","))
+        kinds = {key: type(getattr(recipe, key)) for key in pairs}
+        recipe = replace(recipe, **{key: kinds[key](int(val)) if kinds[key] in (bool, int) else val
+                                    for key, val in pairs.items()})
     return lambda q, k, v: RecipeAttention.apply(q, k, v, fp8_fwd, recipe)
 
 

@@ -13,7 +13,10 @@ leaves Q K^T unchanged) and P = exp(S * scale - LSE), and runs its four GEMMs on
 A tile-scaled format takes one scale per (query block, key block) tile from the tile's amax
 (e4m3: 448 / amax, e5m2: 57344 / amax), so no value saturates; one scale per tile factors out of
 every GEMM that contracts over the tile, where a per-row scale would not (dQ contracts over keys,
-dK over queries, dV over queries). dO and V take one scale per (batch, kv head), like Q and K.
+dK over queries, dV over queries). dO and V take one scale per (batch, kv head), like Q and K, or
+dO one per (token, head) row (``do="e4m3_row"``): a row scale factors out of dP = dO V^T by rows
+and out of dV = P^T dO through P (P / s quantized with its tile's scale), and rows far below
+the head's largest keep e4m3's precision instead of flushing to zero.
 ``fp8_bwd_rmse_table`` measures each choice's gradient RMSE against fp64 on the FA3 paper's
 normal and outlier inputs, with the bf16 backward (bf16 inputs, P and dS rounded to bf16 for their
 GEMMs, fp32 accumulation) as the yardstick.
@@ -59,10 +62,13 @@ class Fp8BwdRecipe:
         if self.qkv not in ("e4m3", "bf16", "fp32"):
             raise ValueError(f"qkv: e4m3, bf16 or fp32, got {self.qkv!r}")
         for name in ("p", "ds", "do"):
-            if getattr(self, name) not in FORMATS:
-                raise ValueError(f"{name}: one of {FORMATS}, got {getattr(self, name)!r}")
+            allowed = FORMATS + (("e4m3_row",) if name == "do" else ())
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: one of {allowed}, got {getattr(self, name)!r}")
         if self.do == "e4m3_fixed" or self.ds == "e4m3_fixed":
             raise ValueError("e4m3_fixed is P's format only (P <= 1)")
+        if self.do == "e4m3_row" and self.p == "e4m3_fixed":
+            raise ValueError("with dO's row scales P carries them (P / s exceeds 1): a tile-scaled P")
 
 
 BF16_RECIPE = Fp8BwdRecipe(qkv="bf16", rotate_qk=False, p="bf16", ds="bf16", do="bf16")
@@ -135,7 +141,16 @@ def attention_fp8_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
     vr = v.float()
     if recipe.rotate_do:
         do, vr = rotate(do, recipe.seed), rotate(vr, recipe.seed)
-    do8 = _round_grouped(do, recipe.do, hkv)
+    row_descale = None
+    if recipe.do == "e4m3_row":
+        # One scale per (token, head) row of dO (its amax, which the preprocess pass reading dO for
+        # D can take): it factors out of dP = dO V^T by rows, and out of dV = P^T dO through P.
+        row_descale = do.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+        codes = do / row_descale.clamp_min(torch.finfo(torch.float32).tiny)  # (rows' amax at 448)
+        do8 = codes.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+        row_descale = row_descale.transpose(1, 2)  # (B, H, N, 1)
+    else:
+        do8 = _round_grouped(do, recipe.do, hkv)
     # dP = dO V^T reads V in the format dO has: the forward's V8, or V re-quantized rotated.
     v_dp = _round_grouped(vr, recipe.qkv, hkv) if recipe.rotate_do else vs
     qt, dot = (t.transpose(1, 2) for t in (qs, do8))
@@ -154,8 +169,9 @@ def attention_fp8_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
                 continue
             s = qt[:, :, m0:m1] @ kt[:, :, n0:n1].transpose(-1, -2) * scale
             p = torch.exp(s - lse_safe[:, :, m0:m1, None]).masked_fill(~vis, 0.0)
-            dv[:, :, n0:n1] += round_tile(p, recipe.p).transpose(-1, -2) @ dot[:, :, m0:m1]
-            dp = dot[:, :, m0:m1] @ vdp[:, :, n0:n1].transpose(-1, -2)
+            rows = 1.0 if row_descale is None else row_descale[:, :, m0:m1]
+            dv[:, :, n0:n1] += round_tile(p * rows, recipe.p).transpose(-1, -2) @ dot[:, :, m0:m1]
+            dp = (dot[:, :, m0:m1] @ vdp[:, :, n0:n1].transpose(-1, -2)) * rows
             ds = round_tile(p * (dp - delta[:, :, m0:m1, None]), recipe.ds)
             dq[:, :, m0:m1] += scale * (ds @ kt[:, :, n0:n1])
             dk[:, :, n0:n1] += scale * (ds.transpose(-1, -2) @ qt[:, :, m0:m1])
