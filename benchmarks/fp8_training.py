@@ -30,14 +30,16 @@ from cute_flash.reference_fp8_bwd import BF16_RECIPE, Fp8BwdRecipe, attention_fp
 
 class RecipeAttention(torch.autograd.Function):
     """Causal attention with a recipe's numerics (PyTorch): the FP8 forward (``fp8_fwd``) or the
-    bf16 one, and the backward ``recipe``."""
+    bf16 one, and the backward ``recipe``, which recomputes its own forward's O and LSE (for the
+    mixed kinds: the gradients of the other half's attention at the same inputs)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fp8_fwd: bool, recipe: Fp8BwdRecipe):
         ctx.save_for_backward(q, k, v)
         ctx.recipe = recipe
         if fp8_fwd:
-            out, _ = attention_fp8_ref(*quantize_qkv_ref(q, k, v), causal=True)
+            qkv8 = quantize_qkv_ref(q, k, v, rotate_qk=recipe.rotate_qk, seed=recipe.seed)
+            out, _ = attention_fp8_ref(*qkv8, causal=True)
         else:
             out, _ = attention_ref(q, k, v, causal=True)
         return out.to(q.dtype)
@@ -58,6 +60,12 @@ RECIPE_KINDS = {
 }
 
 
+def _parse(val: str, kind: type):
+    if kind is bool:
+        return val.lower() in ("1", "true")
+    return int(val) if kind is int else val
+
+
 def attention_fn(kind: str):
     """``kind``: bf16 or a ``RECIPE_KINDS`` name, which may end in ``:field=value,...`` overriding
     its backward recipe's fields (``fp8-backward:ds=fp32,do=fp32``: which operand costs the loss)."""
@@ -70,8 +78,7 @@ def attention_fn(kind: str):
     if fields:
         pairs = dict(f.split("=") for f in fields.split(","))
         kinds = {key: type(getattr(recipe, key)) for key in pairs}
-        recipe = replace(recipe, **{key: kinds[key](int(val)) if kinds[key] in (bool, int) else val
-                                    for key, val in pairs.items()})
+        recipe = replace(recipe, **{key: _parse(val, kinds[key]) for key, val in pairs.items()})
     return lambda q, k, v: RecipeAttention.apply(q, k, v, fp8_fwd, recipe)
 
 
