@@ -83,7 +83,7 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return fwht(x * signs)
 
 
-def _group_amax(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def group_amax(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """amax per (batch, kv head) of a (B, N, H, d) tensor whose H heads form num_kv_heads groups."""
     b, n, h, _ = x.shape
     if n == 0:  # an empty (varlen) sequence: nothing to scale, descale 0 as the kernel's
@@ -109,7 +109,7 @@ def quantize_qkv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotat
     x = [t.float() for t in (q, k, v)]
     if rotate_qk:
         x[0], x[1] = rotate(x[0], seed), rotate(x[1], seed)
-    amax = [_group_amax(t, hkv) for t in x]
+    amax = [group_amax(t, hkv) for t in x]
     q8, k8, v8 = (_quantize(t, a, hkv) for t, a in zip(x, amax, strict=True))
     v8 = v_kernel_order(v8) if v_perm else token_contiguous(v8)
     return q8, k8, v8, *(a / E4M3_MAX for a in amax)

@@ -31,7 +31,7 @@ import torch
 
 from cute_flash.formats import E4M3_MAX, P_SCALE, hadamard_signs
 from cute_flash.reference import attention_ref, default_softmax_scale, visible_mask
-from cute_flash.reference_fp8 import attention_fp8_ref, fwht, quantize_qkv_ref, rotate
+from cute_flash.reference_fp8 import attention_fp8_ref, fwht, group_amax, quantize_qkv_ref, rotate
 
 E5M2_MAX = 57344.0
 
@@ -98,9 +98,8 @@ def _round_grouped(x: torch.Tensor, fmt: str, hkv: int) -> torch.Tensor:
     """``round_to`` with one scale per (batch, kv head) group of x (B, N, H, d)."""
     if fmt not in _FP8:
         return round_to(x, fmt)
-    b, n, h, d = x.shape
-    amax = x.abs().reshape(b, n, hkv, h // hkv, d).amax(dim=(1, 3, 4))  # (B, Hkv)
-    amax = amax.repeat_interleave(h // hkv, dim=1).reshape(b, 1, h, 1)
+    b, _, h, _ = x.shape
+    amax = group_amax(x, hkv).repeat_interleave(h // hkv, dim=1).reshape(b, 1, h, 1)
     return round_to(x, fmt, amax)
 
 
