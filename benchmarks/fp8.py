@@ -4,7 +4,7 @@ quantize + FP8 time, and the FA3 paper's accuracy experiment with the kernels. E
 guarded: a failure prints its error and the next part runs.
 
     python benchmarks/fp8.py [--hdim 128 256] [--seqlen 2048 8192 16384] [--causal 0 1]
-        [--parts accuracy quant attn]
+        [--parts accuracy quant attn bwd] [--gqa 1 4]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 import triton.testing
 
 from cute_flash.hopper import fp8_config
-from cute_flash.launch import quantize_qkv, run_fwd, run_fwd_fp8
+import cute_flash.ops_fp8  # noqa: F401 - registers cute_flash::bwd_fp8
+from cute_flash.launch import quantize_qkv, run_bwd, run_bwd_fp8, run_fwd, run_fwd_fp8
 from cute_flash.reference import attention_ref
 from cute_flash.reference_fp8 import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
 
@@ -120,12 +121,55 @@ def attn_speed(d: int, n: int, causal: bool) -> None:
           + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
 
 
+def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
+    """FP8 backward TFLOP/s (the launcher: dO's quantization and the token-contiguous copies
+    included; ``+unrot``: the ``fp8=True`` op, rotation undone) beside our bf16 backward and
+    flash-attn-4's on the same shape (FLOPs: 2.5x the forward's)."""
+    b, h = max(1, 16384 // n), 2048 // d
+    hkv = h // hkv_div
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(d)
+    flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+    out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
+    run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0)
+    t8 = quantize_qkv(q, k, v, rotate=True, v_perm=True)
+    out8, lse8 = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
+    run_fwd_fp8(*t8, out8, lse8, softmax_scale=scale, causal=causal, v_perm=True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fns = {
+        "bf16": lambda: run_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=scale, causal=causal),
+        "fp8": lambda: run_bwd_fp8(dout, *t8, out8, lse8, softmax_scale=scale, causal=causal, v_perm=True),
+        "fp8+unrot": lambda: torch.ops.cute_flash.bwd_fp8(dout, *t8, out8, lse8, None, scale, causal, 0, False),
+    }
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        o4 = flash_attn_func(qg, kg, vg, causal=causal)
+        o4 = o4[0] if isinstance(o4, tuple) else o4
+        fns["fa4-bf16"] = lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
+    except Exception:  # noqa: BLE001
+        pass
+    times: dict[str, list[float]] = {x: [] for x in fns}
+    names = list(fns)
+    for r in range(3):
+        for x in names[r % len(names):] + names[:r % len(names)]:
+            times[x].append(bench(fns[x]))
+    tf = {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
+    print(f"bwd d={d} N={n} H={h}/{hkv} causal={int(causal)}: " + " ".join(f"{x} {v:.0f}" for x, v in tf.items())
+          + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hdim", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"])
+    ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"],
+                    help="accuracy quant attn bwd")
+    ap.add_argument("--gqa", type=int, nargs="+", default=[1], help="query heads per kv head (bwd)")
     ap.add_argument("--qk-lanes", type=int, nargs="*", default=[8, 16, 32],
                     help="Q / K lanes per row to time beside the default")
     args = ap.parse_args()
@@ -139,6 +183,10 @@ def main() -> None:
             for c in map(bool, args.causal):
                 if "attn" in args.parts:
                     guarded(f"attn d={d} N={n} causal={c}", lambda d=d, n=n, c=c: attn_speed(d, n, c))
+                if "bwd" in args.parts:
+                    for g in args.gqa:
+                        guarded(f"bwd d={d} N={n} causal={c} gqa={g}",
+                                lambda d=d, n=n, c=c, g=g: bwd_speed(d, n, c, g))
 
 
 if __name__ == "__main__":

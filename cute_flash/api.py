@@ -76,7 +76,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         _op_args(q, softmax_scale, window_size, 0.0)  # the scalars' checks
         out, lse = ops_fp8.fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size,
-                                         descales=(q_descale, k_descale, v_descale), quantize=fp8)
+                                         descales=(q_descale, k_descale, v_descale), quantize=fp8,
+                                         deterministic=deterministic)
         return (out, lse) if return_lse else out
     if any(x is not None for x in (q_descale, k_descale, v_descale)):
         raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")

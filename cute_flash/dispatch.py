@@ -16,6 +16,7 @@ from cute_flash import jit
 from cute_flash.ampere import config as sm80
 from cute_flash.ampere import kvcache_config as sm80_kvcache
 from cute_flash.hopper import bwd_config as sm90_bwd
+from cute_flash.hopper import bwd_fp8_config as fp8_bwd
 from cute_flash.hopper import fp8_config as fp8
 from cute_flash.hopper import fwd_config as sm90_fwd
 from cute_flash.hopper import kvcache_config as sm90_kvcache
@@ -165,6 +166,15 @@ def bwd_head_split(p: Problem, family: str, overrides: tuple = ()) -> int:
 def fp8_fwd_config(p: Problem, v_perm: bool, overrides: tuple = ()) -> jit.KernelConfig:
     """The FP8 attention kernel for problem ``p`` (``v_perm``: V in the kernel's token order)."""
     return fp8.plan(p, v_perm=v_perm, overrides=overrides)
+
+
+def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
+    """(preprocess, main, postprocess) of the FP8 backward of problem ``p`` (``dtype``: the
+    gradients'); ``overrides``: main config fields (tuning scripts)."""
+    if not fp8_bwd.fp8_bwd_covers(p.hdim, p.hdim_v, local=p.local, varlen=p.varlen):
+        raise NotImplementedError(f"the FP8 backward runs head dims {fp8_bwd.FP8_BWD_HDIMS} (d_v = d) without "
+                                  "sliding windows or packed sequences")
+    return fp8_bwd.plan(p, overrides)
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,

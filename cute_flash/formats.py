@@ -16,6 +16,8 @@ FLOAT_NAMES = {**DTYPE_NAMES, torch.float32: "fp32"}
 FP8 = torch.float8_e4m3fn
 # FP8 head dims: powers of two (the Walsh-Hadamard rotation), d / 32 lanes per row.
 FP8_HDIMS = (64, 128, 256)
+# Head dims of the FP8 backward (``hopper/bwd_fp8.py``: k32 GEMMs over 64-row query blocks).
+FP8_BWD_HDIMS = (64, 128)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

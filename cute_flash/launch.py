@@ -7,12 +7,13 @@ kernel shares one call signature, every backward its pre / main / post signature
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
 import torch
 
-from cute_flash import dispatch, formats, jit, validate
+from cute_flash import dispatch, formats, jit, reference_fp8, validate
 from cute_flash.block_mask import BlockMask
 from cute_flash.formats import E4M3_MAX, FP8
 from cute_flash.memo import HostMemo
@@ -409,6 +410,73 @@ def run_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale
     mq = max_seqlen(cu_seqlens_q, max_seqlen_q) if varlen else q8.shape[1]
     fn(q8, k8, v8, out, lse, cu_seqlens_q, cu_seqlens_k, float(softmax_scale), 0.0, left, right, mq,
        tile_counter(cfg, q8.device), q_descale, k_descale, v_descale, cu_seqlens_v if varlen else None)
+
+
+def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor,
+                v_descale: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
+                v_perm: bool, deterministic: bool = False, dlse: Tensor | None = None,
+                **overrides) -> tuple[Tensor, Tensor, Tensor]:
+    """The FP8 backward on what the FP8 forward saved (e4m3 ``q8`` / ``k8`` (B, N, H, d), ``v8`` as
+    ``run_fwd_fp8`` takes it, the (B, H_kv) descales, ``out`` and ``lse``), with ``dout`` in O's
+    dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8 (rotated where they are).
+    dO is quantized per (token, head) row; Q, K and dO also go token-contiguous for the GEMMs that
+    contract over tokens (fp8 wgmma reads K-major operands only)."""
+    b, nq, h, d = q8.shape
+    nk, hkv = k8.shape[1], k8.shape[2]
+    dq = torch.empty(b, nq, h, d, dtype=out.dtype, device=q8.device)
+    dk, dv = (torch.empty(b, nk, hkv, d, dtype=out.dtype, device=q8.device) for _ in range(2))
+    if b == 0 or nq == 0 or nk == 0 or h == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    p = dispatch.fp8_problem(formats.dtype_name(out.dtype), d, d, causal=causal, local=False, varlen=False,
+                             seqlen_q=nq, seqlen_k=nk, heads_q=h, heads_kv=hkv, num_sms=sm_count(q8.device),
+                             q_dense=True)
+    p = dataclasses.replace(p, deterministic=deterministic, dlse=dlse is not None, batch=b)
+    configs = dispatch.fp8_bwd_configs(p, tuple(sorted(overrides.items())))
+    pre, main, post = (jit.compile_kernel(c) for c in configs)
+    cfg = configs[1]
+    v_nat = (formats.unpermute_v(v8, nk) if v_perm else v8).contiguous()
+    dout = dout.contiguous()
+    do8, do_descale = quantize_rows(dout)
+    q8t, k8t, do8t = (token_contiguous_copy(t) for t in (q8, k8, do8))
+    lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, b, nq, False)
+    rows_descale = torch.zeros_like(dsum)
+    rows_descale[..., :nq] = do_descale.transpose(1, 2)
+    scale = float(softmax_scale)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, None, nq)
+    main(q8.contiguous(), k8.contiguous(), v_nat, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk, dv,
+         sem, q_descale, k_descale, v_descale, scale, -1, -1)
+    post(dq_acc, dq, None, scale, nq)
+    return dq, dk, dv
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x8, descale): x (B, N, H, d) in e4m3 with one scale per (token, head) row, its amax at 448,
+    and the fp32 (B, N, H) descales (all-zero rows: codes 0)."""
+    amax = x.abs().amax(dim=-1).float()
+    descale = amax / E4M3_MAX
+    codes = x.float() / descale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return codes.clamp(-E4M3_MAX, E4M3_MAX).to(FP8), descale
+
+
+def token_contiguous_copy(x8: Tensor) -> Tensor:
+    """An e4m3 (B, N, H, d) tensor as a (B, N, H, d) view over (B, H, d, N_pad) storage, the tokens
+    contiguous (N_pad a multiple of 16: TMA strides; the view's extent N, so boxes past it read
+    zeros): ``relayout_v``'s kernel."""
+    return relayout_v(x8, v_perm=False)[..., :x8.shape[1]].permute(0, 3, 1, 2)
+
+
+_UNROTATE: dict[tuple, Tensor] = {}
+
+
+def unrotate(x: Tensor, seed: int) -> Tensor:
+    """x M^T for the forward's rotation M = D H / sqrt(d) (``reference_fp8.rotate``): one d x d
+    GEMM in x's dtype with fp32 accumulation, the matrix made once per (d, seed, device)."""
+    d = x.shape[-1]
+    key = (d, int(seed), x.device, x.dtype)
+    if key not in _UNROTATE:
+        had = reference_fp8.hadamard_matrix(d) / d ** 0.5
+        _UNROTATE[key] = (had * formats.hadamard_signs(d, seed).double()).to(device=x.device, dtype=x.dtype)
+    return x @ _UNROTATE[key]
 
 
 # ---------------------------------------------------------------------------------------------

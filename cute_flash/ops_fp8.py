@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from cute_flash import formats, launch, reference_fp8, validate
+from cute_flash import formats, launch, reference_fp8, reference_fp8_bwd, validate
 from cute_flash.formats import FP8
 
 Tensor = torch.Tensor
@@ -207,13 +207,18 @@ def _descales_or_ones(descales: tuple[Tensor | None, ...], shape: tuple[int, int
 
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | None, causal: bool,
                   window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
-                  seed: int = 0) -> tuple[Tensor, Tensor]:
+                  seed: int = 0, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """(out, lse) of FP8 attention: e4m3 inputs with their descales (missing ones = 1), or, with
     ``quantize``, bf16 / fp16 inputs quantized with the Hadamard rotation first (output in their
-    dtype; e4m3 inputs give bf16)."""
+    dtype; e4m3 inputs give bf16), differentiable (``Fp8Attention``: the FP8 backward)."""
     if quantize:
         validate.check_fp8_quantize_request(q, k, v, descales)
         validate.check_fp8_heads(q, k, v)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            scale = default_scale(softmax_scale, q.shape[-1])
+            validate.check_fp8_bwd(q, k, v, window_size)
+            return Fp8Attention.apply(q, k, v, float(scale), bool(causal), int(window_size[0]),
+                                      int(window_size[1]), int(seed), bool(deterministic))
         out_dtype = q.dtype
         # V straight into the kernel's token order: P then needs no exchange between lanes.
         q, k, v, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, int(seed), True)
@@ -226,6 +231,70 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
                                         int(window_size[1]), out_dtype, quantize)
 
 
+class Fp8Attention(torch.autograd.Function):
+    """``fp8=True`` attention with its FP8 backward: the forward keeps what the e4m3 kernels read
+    (Q8, K8 rotated, V8, the descales, O, the LSE); the backward runs ``cute_flash::bwd_fp8`` and
+    hands back the gradients of the unquantized inputs (straight through the rounding, the
+    rotation undone)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window_left: int,
+                window_right: int, seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+        q8, k8, v8, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, seed, True)
+        out, lse = torch.ops.cute_flash.fwd_fp8(q8, k8, v8, *ds, scale, causal, window_left, window_right,
+                                                q.dtype, True)
+        ctx.save_for_backward(q8, k8, v8, *ds, out, lse)
+        ctx.args = (scale, causal, seed, deterministic)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
+        scale, causal, seed, deterministic = ctx.args
+        if dout is None and dlse is None:
+            return (None,) * 9
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.cute_flash.bwd_fp8(dout, q8, k8, v8, qd, kd, vd, out, lse, dlse, scale, causal,
+                                                  seed, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _bwd_fp8_fake(dout: Tensor, k8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    b, nk, hkv, d = k8.shape
+    return (torch.empty_like(dout), *(dout.new_empty((b, nk, hkv, d)) for _ in range(2)))
+
+
+@torch.library.custom_op("cute_flash::bwd_fp8", mutates_args=(), device_types="cpu")
+def bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor,
+            v_descale: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, softmax_scale: float,
+            causal: bool, seed: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in dout's dtype of the ``fp8=True`` forward (v8 in the kernel's token order,
+    Q8 / K8 rotated with ``seed``): the e4m3 backward on sm90, its recipe in PyTorch on the CPU
+    (``reference_fp8_bwd.fp8_bwd_from_saved``)."""
+    v_nat = formats.unpermute_v(v8, k8.shape[1])
+    grads = reference_fp8_bwd.fp8_bwd_from_saved(dout, q8, k8, v_nat, q_descale, k_descale, v_descale, out,
+                                                 lse, dlse, softmax_scale=softmax_scale, causal=causal,
+                                                 seed=seed)
+    return tuple(g.to(dout.dtype).contiguous() for g in grads)
+
+
+@bwd_fp8.register_kernel("cuda")
+def _(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
+      deterministic):
+    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse,
+                                    softmax_scale=softmax_scale, causal=causal, v_perm=True,
+                                    deterministic=deterministic, dlse=dlse)
+    return launch.unrotate(dq, seed), launch.unrotate(dk, seed), dv
+
+
+@bwd_fp8.register_fake
+def _(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
+      deterministic):
+    return _bwd_fp8_fake(dout, k8)
+
+
 def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None, causal: bool,
                          window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
@@ -233,7 +302,7 @@ def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     """``fp8_attention`` on packed sequences (``flash_attn_varlen_func``): descales per (sequence,
     kv head), (num_seqs, H_kv)."""
     if quantize:
-        validate.check_fp8_quantize_request(q, k, v, descales)
+        validate.check_fp8_quantize_request(q, k, v, descales, varlen=True)
         validate.check_fp8_heads_varlen(q, k, v)
         validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                   max_seqlen_k, check_data=False)

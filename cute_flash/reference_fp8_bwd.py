@@ -24,6 +24,7 @@ GEMMs, fp32 accumulation) as the yardstick.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -132,12 +133,41 @@ def attention_fp8_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
     ``dout`` of its output, computed as ``recipe`` says (module docstring) from the forward's saved
     tensors, which this function forms too (the FP8 forward's, or the bf16 one's)."""
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    b, nq, h, _ = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
     qs, ks, vs, out, lse = _saved_inputs(q, k, v, recipe, scale, causal)
+    return _grads_from_saved(qs, ks, vs, out, lse, dout, None, v, recipe, scale, causal)
+
+
+# The FP8 backward kernel's recipe: dO per (token, head) row, P and dS per tile, the kernel's tile.
+KERNEL_RECIPE = Fp8BwdRecipe(do="e4m3_row", block_m=64, block_n=128)
+
+
+def fp8_bwd_from_saved(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                       q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None = None, *,
+                       softmax_scale: float, causal: bool, seed: int,
+                       recipe: Fp8BwdRecipe = KERNEL_RECIPE) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in fp32 from what the ``fp8=True`` forward keeps: e4m3 q8 / k8 (B, N, H, d),
+    rotated with ``seed``, v8 (B, N, H_kv, d) in natural order, their (B, H_kv) descales, O and
+    the LSE (B, H, Nq); ``dlse``: the LSE's own gradient, or None. dQ / dK rotated back."""
+    h, hkv = q8.shape[2], k8.shape[2]
+    qs = q8.float() * q_descale.repeat_interleave(h // hkv, dim=1)[:, None, :, None]
+    ks, vs = (t.float() * ds[:, None, :, None] for t, ds in ((k8, k_descale), (v8, v_descale)))
+    # (The recipe's rotation, with the forward's seed, is what rotates dQ / dK back.)
+    return _grads_from_saved(qs, ks, vs, out.float(), lse.float(), dout, dlse, None,
+                             dataclasses.replace(recipe, rotate_qk=True, seed=seed), float(softmax_scale), causal)
+
+
+def _grads_from_saved(qs, ks, vs, out, lse, dout, dlse, v, recipe: Fp8BwdRecipe, scale: float,
+                      causal: bool) -> tuple[torch.Tensor, ...]:
+    """The recipe's tile loop on the saved tensors (fp32 (B, N, H, d), lse (B, H, Nq)); ``v``: the
+    unquantized V, which ``rotate_do`` re-quantizes rotated."""
+    b, nq, h, _ = qs.shape
+    nk, hkv = ks.shape[1], ks.shape[2]
     do = dout.float()
     delta = (do * out).sum(dim=-1).transpose(1, 2)  # (B, H, Nq): D from the unquantized dO
-    vr = v.float()
+    if dlse is not None:
+        delta = delta - dlse.float()
+    vr = v.float() if recipe.rotate_do else None
     if recipe.rotate_do:
         do, vr = rotate(do, recipe.seed), rotate(vr, recipe.seed)
     row_descale = None
@@ -154,10 +184,10 @@ def attention_fp8_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
     v_dp = _round_grouped(vr, recipe.qkv, hkv) if recipe.rotate_do else vs
     qt, dot = (t.transpose(1, 2) for t in (qs, do8))
     kt, vt, vdp = (t.transpose(1, 2).repeat_interleave(h // hkv, dim=1) for t in (ks, vs, v_dp))
-    mask = visible_mask(nq, nk, causal=causal, device=q.device)
+    mask = visible_mask(nq, nk, causal=causal, device=qs.device)
     lse_safe = torch.where(lse == float("-inf"), float("inf"), lse)
     dq, dk = torch.zeros_like(qt), torch.zeros_like(kt)
-    dv = torch.zeros(b, h, nk, vt.shape[-1], device=q.device)
+    dv = torch.zeros(b, h, nk, vt.shape[-1], device=qs.device)
     bm, bn = recipe.block_m, recipe.block_n
     for n0 in range(0, nk, bn):
         n1 = min(n0 + bn, nk)

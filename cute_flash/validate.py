@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cute_flash.formats import FP8, FP8_HDIMS
+from cute_flash.formats import FP8, FP8_BWD_HDIMS, FP8_HDIMS
 from cute_flash.memo import HostMemo
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
@@ -416,6 +416,16 @@ def _check_bwd_tensors(dout, q, v, out, lse, cu_seqlens_q, dlse, check_data: boo
 # ---------------------------------------------------------------------------------------------
 # FP8 (e4m3) forward and its quantize kernels
 # ---------------------------------------------------------------------------------------------
+def check_fp8_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: tuple[int, int]) -> None:
+    """What the FP8 backward covers, checked at the forward of a call that will need it."""
+    if q.shape[-1] not in FP8_BWD_HDIMS:
+        raise NotImplementedError(f"the FP8 backward runs head dims {FP8_BWD_HDIMS}, got {q.shape[-1]} "
+                                  "(call under torch.no_grad() for the forward alone)")
+    if window_size[0] >= 0 or window_size[1] >= 0:
+        raise NotImplementedError("the FP8 backward has no sliding window (call under torch.no_grad() for "
+                                  "the forward alone)")
+
+
 def check_fp8_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Dense (B, N, H, d) q and (B, N_k, H_kv, d) k, v as the FP8 kernels take them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -479,14 +489,15 @@ def check_fp8_varlen_inputs(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor
 
 
 def check_fp8_quantize_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               descales: Sequence[torch.Tensor | None]) -> None:
-    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout)."""
+                               descales: Sequence[torch.Tensor | None], varlen: bool = False) -> None:
+    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout;
+    packed sequences have no FP8 backward yet)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise TypeError("q, k, v must share a dtype")
-    if any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("fp8=True is forward-only: the inputs must not require grad")
+    if varlen and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("fp8=True with packed sequences is forward-only: the inputs must not require grad")
     if any(x is not None for x in descales):
         raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
 

@@ -70,8 +70,8 @@ def test_fp8_refuses_bad_input_before_running() -> None:
         flash_attn_func(q8, k8, v.bfloat16(), q_descale=qd, k_descale=kd, v_descale=vd)
     with pytest.raises(ValueError, match="softcap"):
         flash_attn_func(q8, k8, v8, softcap=10.0)
-    with pytest.raises(ValueError, match="forward-only"):
-        flash_attn_func(q.requires_grad_(), k, v, fp8=True)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        flash_attn_func(q.requires_grad_(), k, v, fp8=True, window_size=(8, 0))
     with pytest.raises(ValueError, match="descale"):
         flash_attn_func(q.detach(), k, v, q_descale=qd)
     q96, k96, v96 = _inputs(d=96)

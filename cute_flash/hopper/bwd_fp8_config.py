@@ -1,0 +1,100 @@
+"""The FP8 backward's config on Hopper (``hopper/bwd_fp8.py``): the narrow sm90 backward's fields
+with the schedule the e4m3 kernel builds, its tiles and its compile arguments; the preprocess and
+the dQ postprocess are the 16-bit backward's (``bwd_config``), on bf16 / fp16 O and dO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import cutlass
+
+from cute_flash import jit, signatures
+from cute_flash.formats import FP8_BWD_HDIMS
+from cute_flash.hopper.bwd_config import SM90_BWD_LPT_BALANCED, BwdSm90Config
+from cute_flash.problem import Problem
+
+# Query-block rows by head dim: k32 GEMMs over the query block (dV, dK) need a multiple of 32,
+# and the dQ MMA's fragment order a multiple of 64.
+SM90_FP8_BWD_TILE_M = {64: 64, 128: 64}
+
+# The schedule the FP8 kernel implements: one Q/dO pipeline (no split loads), dQ after dK, one dS
+# buffer (its barrier also carries the dS amax exchange), masks only on edge blocks.
+_FIXED = dict(split_loads=False, dq_before_dk=False, ds_stages=1, ds_before_dv=False, prefetch_stats=False,
+              dkv_stmatrix=False, mask_always=False, rotate_m=False)
+
+
+@dataclass(frozen=True)
+class BwdSm90Fp8Config(BwdSm90Config):
+    """``BwdSm90Config`` with e4m3 GEMM operands; ``dtype`` is that of O, dO and the gradients."""
+
+    kernel_name = "bwd_sm90_fp8"
+
+    def __post_init__(self) -> None:
+        if self.hdim not in FP8_BWD_HDIMS or self.hdim_v not in (0, self.hdim):
+            raise ValueError(f"FP8 backward: head dims {FP8_BWD_HDIMS} with d_v = d")
+        if self.softcap or self.mods is not None or self.local or self.varlen or self.split_heads:
+            raise ValueError("FP8 backward: no softcap, mods, sliding window, packed sequences or split "
+                             "head groups")
+        for name, value in _FIXED.items():
+            if getattr(self, name) not in (None, 0, value):
+                raise ValueError(f"FP8 backward: {name} must be {value}")
+            object.__setattr__(self, name, value)
+        if not self.tile_m:
+            object.__setattr__(self, "tile_m", SM90_FP8_BWD_TILE_M[self.hdim])
+        super().__post_init__()
+        if self.tile_m % 64:
+            raise ValueError("FP8 backward: tile_m a multiple of 64")
+
+    def smem_bytes(self) -> int:
+        """1-byte Q, Q^T, dO, dO^T per stage, K, K^T, V, dS; the 16-bit dK / dV staging tile;
+        fp32 LSE2 / D / dO-descale rows, the dQ tile and the warps' amax."""
+        d, tm, tn, st = self.hdim, self.tile_m, self.tile_n, self.stages
+
+        def r(n: int) -> int:
+            return (n + 1023) // 1024 * 1024
+
+        tiles = 4 * r(st * tm * d) + 3 * r(tn * d) + r(tm * tn) + r(2 * tn * d)
+        return 1024 + tiles + 3 * st * tm * 4 + tm * d * 4 + 256
+
+    def build(self):
+        from cute_flash.hopper.bwd_fp8 import FlashBwdSm90Fp8
+
+        return FlashBwdSm90Fp8(self)
+
+    def fake_args(self) -> tuple:
+        """(q8, k8, v8, do8, q8t, k8t, do8t, lse2, d, do_descale, dq_accum, dk, dv, semaphores,
+        q_descale, k_descale, v_descale, softmax_scale, window_left, window_right, stream)."""
+        f8, out = cutlass.Float8E4M3FN, jit.DTYPES[self.dtype]
+        b, nq, nk, h, hkv, d = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym(), self.hdim
+        q, do = (jit.fake_tensor(f8, (b, nq, h, d), divisibility=16) for _ in range(2))
+        k, v = (jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16) for _ in range(2))
+        # Token-contiguous copies ((B, H, d, N_pad) storage, N_pad a multiple of 16 for TMA).
+        qt, dot = (jit.fake_tensor(f8, (b, nq, h, d), leading_dim=1, divisibility=16) for _ in range(2))
+        kt = jit.fake_tensor(f8, (b, nk, hkv, d), leading_dim=1, divisibility=16)
+        lse2, dsum, dq_acc, sem = signatures.scratch_fakes(False, h, b, self.deterministic)
+        do_descale = jit.fake_tensor(cutlass.Float32, (b, h, jit.sym()), divisibility=4)
+        dk, dv = (jit.fake_tensor(out, (b, nk, hkv, d), divisibility=jit.vec_div(out)) for _ in range(2))
+        descales = [jit.fake_tensor(cutlass.Float32, (b, hkv)) for _ in range(3)]
+        scalars = (cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1))
+        return (q, k, v, do, qt, kt, dot, lse2, dsum, do_descale, dq_acc, dk, dv, sem, *descales, *scalars,
+                jit.fake_stream())
+
+
+def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool, varlen: bool) -> bool:
+    """Whether the FP8 backward runs this problem."""
+    return hdim in FP8_BWD_HDIMS and hdim_v == hdim and not local and not varlen
+
+
+
+def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
+    """(preprocess, main, postprocess) of one FP8 backward problem: the longest-first walk over
+    even sections where full ones leave a short last one, as the 16-bit backward's plan."""
+    fixed = dict(overrides)
+    cfg = BwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, causal=p.causal,
+                           deterministic=p.deterministic, **fixed)
+    if (p.extents_known and cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
+            and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):
+        cfg = dataclasses.replace(cfg, lpt_balanced=True)
+    return cfg.pre(), cfg, cfg.post()
