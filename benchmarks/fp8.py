@@ -17,8 +17,8 @@ import traceback
 import torch
 import triton.testing
 
-from cute_flash.hopper import fp8_config
 import cute_flash.ops_fp8  # noqa: F401 - registers cute_flash::bwd_fp8
+from cute_flash.hopper import fp8_config
 from cute_flash.launch import quantize_qkv, run_bwd, run_bwd_fp8, run_fwd, run_fwd_fp8
 from cute_flash.reference import attention_ref
 from cute_flash.reference_fp8 import attention_fp8_ref, outlier_qkv, quantize_qkv_ref
@@ -134,14 +134,15 @@ def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
     flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
     out, lse = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
     run_fwd(q, k, v, out, lse, softmax_scale=scale, causal=causal, window_size=(-1, -1), softcap=0.0)
-    t8 = quantize_qkv(q, k, v, rotate=True, v_perm=True)
+    q8, k8, v8, *ds = quantize_qkv(q, k, v, rotate=True, v_perm=True)
     out8, lse8 = torch.empty_like(q), torch.empty(b, h, n, device="cuda")
-    run_fwd_fp8(*t8, out8, lse8, softmax_scale=scale, causal=causal, v_perm=True)
+    run_fwd_fp8(q8, k8, v8, *ds, out8, lse8, softmax_scale=scale, causal=causal, v_perm=True)
+    saved = (q8, k8, v, *ds, out8, lse8)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fns = {
         "bf16": lambda: run_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=scale, causal=causal),
-        "fp8": lambda: run_bwd_fp8(dout, *t8, out8, lse8, softmax_scale=scale, causal=causal, v_perm=True),
-        "fp8+unrot": lambda: torch.ops.cute_flash.bwd_fp8(dout, *t8, out8, lse8, None, scale, causal, 0, False),
+        "fp8": lambda: run_bwd_fp8(dout, *saved, softmax_scale=scale, causal=causal),
+        "fp8+unrot": lambda: torch.ops.cute_flash.bwd_fp8(dout, *saved, None, scale, causal, 0, False),
     }
     try:
         from flash_attn.cute import flash_attn_func
@@ -158,8 +159,9 @@ def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
         for x in names[r % len(names):] + names[:r % len(names)]:
             times[x].append(bench(fns[x]))
     tf = {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
-    print(f"bwd d={d} N={n} H={h}/{hkv} causal={int(causal)}: " + " ".join(f"{x} {v:.0f}" for x, v in tf.items())
-          + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
+    print(f"bwd d={d} N={n} H={h}/{hkv} causal={int(causal)}: "
+          + " ".join(f"{x} {v:.0f}" for x, v in tf.items()) + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}",
+          flush=True)
 
 
 def main() -> None:

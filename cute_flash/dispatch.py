@@ -172,8 +172,8 @@ def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig
     """(preprocess, main, postprocess) of the FP8 backward of problem ``p`` (``dtype``: the
     gradients'); ``overrides``: main config fields (tuning scripts)."""
     if not fp8_bwd.fp8_bwd_covers(p.hdim, p.hdim_v, local=p.local, varlen=p.varlen):
-        raise NotImplementedError(f"the FP8 backward runs head dims {fp8_bwd.FP8_BWD_HDIMS} (d_v = d) without "
-                                  "sliding windows or packed sequences")
+        raise NotImplementedError(f"the FP8 backward runs head dims {fp8_bwd.FP8_BWD_HDIMS} (d_v = d) "
+                                  "without sliding windows or packed sequences")
     return fp8_bwd.plan(p, overrides)
 
 

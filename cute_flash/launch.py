@@ -412,13 +412,14 @@ def run_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale
        tile_counter(cfg, q8.device), q_descale, k_descale, v_descale, cu_seqlens_v if varlen else None)
 
 
-def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor,
+def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor,
                 v_descale: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
-                v_perm: bool, deterministic: bool = False, dlse: Tensor | None = None,
+                deterministic: bool = False, dlse: Tensor | None = None,
                 **overrides) -> tuple[Tensor, Tensor, Tensor]:
-    """The FP8 backward on what the FP8 forward saved (e4m3 ``q8`` / ``k8`` (B, N, H, d), ``v8`` as
-    ``run_fwd_fp8`` takes it, the (B, H_kv) descales, ``out`` and ``lse``), with ``dout`` in O's
-    dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8 (rotated where they are).
+    """The FP8 backward on what the FP8 forward saved (e4m3 ``q8`` / ``k8`` (B, N, H, d), the
+    16-bit ``v`` (B, N, H_kv, d) it quantized, the (B, H_kv) descales, ``out`` and ``lse``), with
+    ``dout`` in O's dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8 (rotated
+    where they are). V goes to e4m3 again at its descale, in natural layout.
     dO is quantized per (token, head) row; Q, K and dO also go token-contiguous for the GEMMs that
     contract over tokens (fp8 wgmma reads K-major operands only)."""
     b, nq, h, d = q8.shape
@@ -434,7 +435,7 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Ten
     configs = dispatch.fp8_bwd_configs(p, tuple(sorted(overrides.items())))
     pre, main, post = (jit.compile_kernel(c) for c in configs)
     cfg = configs[1]
-    v_nat = (formats.unpermute_v(v8, nk) if v_perm else v8).contiguous()
+    v8 = quantize_like(v, v_descale)
     dout = dout.contiguous()
     do8, do_descale = quantize_rows(dout)
     q8t, k8t, do8t = (token_contiguous_copy(t) for t in (q8, k8, do8))
@@ -443,7 +444,7 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Ten
     rows_descale[..., :nq] = do_descale.transpose(1, 2)
     scale = float(softmax_scale)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, None, nq)
-    main(q8.contiguous(), k8.contiguous(), v_nat, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk, dv,
+    main(q8.contiguous(), k8.contiguous(), v8, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk, dv,
          sem, q_descale, k_descale, v_descale, scale, -1, -1)
     post(dq_acc, dq, None, scale, nq)
     return dq, dk, dv
@@ -451,11 +452,18 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Ten
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """(x8, descale): x (B, N, H, d) in e4m3 with one scale per (token, head) row, its amax at 448,
-    and the fp32 (B, N, H) descales (all-zero rows: codes 0)."""
-    amax = x.abs().amax(dim=-1).float()
-    descale = amax / E4M3_MAX
-    codes = x.float() / descale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return codes.clamp(-E4M3_MAX, E4M3_MAX).to(FP8), descale
+    and the fp32 (B, N, H) descales (all-zero rows: codes 0). Four passes of PyTorch."""
+    descale = x.abs().amax(dim=-1, keepdim=True).float().div_(E4M3_MAX)
+    codes = torch.div(x, descale.clamp_min(torch.finfo(torch.float32).tiny))
+    return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), descale.squeeze(-1)
+
+
+def quantize_like(x: Tensor, descale: Tensor) -> Tensor:
+    """x (B, N, H_kv, d) in e4m3 at the forward's (B, H_kv) descales, natural layout (the dP GEMM
+    reads V with the head dim contiguous)."""
+    inv = 1.0 / descale.clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.mul(x, inv[:, None, :, None])
+    return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 def token_contiguous_copy(x8: Tensor) -> Tensor:

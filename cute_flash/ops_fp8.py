@@ -233,7 +233,8 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float | Non
 
 class Fp8Attention(torch.autograd.Function):
     """``fp8=True`` attention with its FP8 backward: the forward keeps what the e4m3 kernels read
-    (Q8, K8 rotated, V8, the descales, O, the LSE); the backward runs ``cute_flash::bwd_fp8`` and
+    (Q8, K8 rotated, the descales, O, the LSE; V as given, which the backward needs in natural
+    layout, not the forward's); the backward runs ``cute_flash::bwd_fp8`` and
     hands back the gradients of the unquantized inputs (straight through the rounding, the
     rotation undone)."""
 
@@ -243,20 +244,20 @@ class Fp8Attention(torch.autograd.Function):
         q8, k8, v8, *ds = torch.ops.cute_flash.quantize_qkv(q, k, v, True, seed, True)
         out, lse = torch.ops.cute_flash.fwd_fp8(q8, k8, v8, *ds, scale, causal, window_left, window_right,
                                                 q.dtype, True)
-        ctx.save_for_backward(q8, k8, v8, *ds, out, lse)
+        ctx.save_for_backward(q8, k8, v, *ds, out, lse)
         ctx.args = (scale, causal, seed, deterministic)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
+        q8, k8, v, qd, kd, vd, out, lse = ctx.saved_tensors
         scale, causal, seed, deterministic = ctx.args
         if dout is None and dlse is None:
             return (None,) * 9
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.cute_flash.bwd_fp8(dout, q8, k8, v8, qd, kd, vd, out, lse, dlse, scale, causal,
+        dq, dk, dv = torch.ops.cute_flash.bwd_fp8(dout, q8, k8, v, qd, kd, vd, out, lse, dlse, scale, causal,
                                                   seed, deterministic)
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -267,30 +268,30 @@ def _bwd_fp8_fake(dout: Tensor, k8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @torch.library.custom_op("cute_flash::bwd_fp8", mutates_args=(), device_types="cpu")
-def bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor,
+def bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor,
             v_descale: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None, softmax_scale: float,
             causal: bool, seed: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in dout's dtype of the ``fp8=True`` forward (v8 in the kernel's token order,
-    Q8 / K8 rotated with ``seed``): the e4m3 backward on sm90, its recipe in PyTorch on the CPU
-    (``reference_fp8_bwd.fp8_bwd_from_saved``)."""
-    v_nat = formats.unpermute_v(v8, k8.shape[1])
-    grads = reference_fp8_bwd.fp8_bwd_from_saved(dout, q8, k8, v_nat, q_descale, k_descale, v_descale, out,
+    """(dq, dk, dv) in dout's dtype of the ``fp8=True`` forward (Q8 / K8 rotated with ``seed``, ``v``
+    the 16-bit V it quantized at ``v_descale``): the e4m3 backward on sm90, its recipe in PyTorch on
+    the CPU (``reference_fp8_bwd.fp8_bwd_from_saved``)."""
+    v8 = launch.quantize_like(v, v_descale)
+    grads = reference_fp8_bwd.fp8_bwd_from_saved(dout, q8, k8, v8, q_descale, k_descale, v_descale, out,
                                                  lse, dlse, softmax_scale=softmax_scale, causal=causal,
                                                  seed=seed)
     return tuple(g.to(dout.dtype).contiguous() for g in grads)
 
 
 @bwd_fp8.register_kernel("cuda")
-def _(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
+def _(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
       deterministic):
-    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse,
-                                    softmax_scale=softmax_scale, causal=causal, v_perm=True,
-                                    deterministic=deterministic, dlse=dlse)
+    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
+                                    softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                                    dlse=dlse)
     return launch.unrotate(dq, seed), launch.unrotate(dk, seed), dv
 
 
 @bwd_fp8.register_fake
-def _(dout, q8, k8, v8, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
+def _(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
       deterministic):
     return _bwd_fp8_fake(dout, k8)
 

@@ -153,8 +153,9 @@ def fp8_bwd_from_saved(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v
     qs = q8.float() * q_descale.repeat_interleave(h // hkv, dim=1)[:, None, :, None]
     ks, vs = (t.float() * ds[:, None, :, None] for t, ds in ((k8, k_descale), (v8, v_descale)))
     # (The recipe's rotation, with the forward's seed, is what rotates dQ / dK back.)
-    return _grads_from_saved(qs, ks, vs, out.float(), lse.float(), dout, dlse, None,
-                             dataclasses.replace(recipe, rotate_qk=True, seed=seed), float(softmax_scale), causal)
+    recipe = dataclasses.replace(recipe, rotate_qk=True, seed=seed)
+    return _grads_from_saved(qs, ks, vs, out.float(), lse.float(), dout, dlse, None, recipe,
+                             float(softmax_scale), causal)
 
 
 def _grads_from_saved(qs, ks, vs, out, lse, dout, dlse, v, recipe: Fp8BwdRecipe, scale: float,

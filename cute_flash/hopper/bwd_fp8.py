@@ -33,7 +33,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_flash import jit
 from cute_flash.device import scratch, waits, warp_mma
 from cute_flash.device.layout import acc_to_mn
 from cute_flash.device.softmax import score_scales
@@ -120,7 +119,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                   "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
         for name, layout in self.smem_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
-        fields["sE"] = cute.struct.Align[cute.struct.MemRange[self.o_dtype, cute.cosize(self.sE_layout)], 1024]
+        staging = cute.struct.MemRange[self.o_dtype, cute.cosize(self.sE_layout)]
+        fields["sE"] = cute.struct.Align[staging, 1024]
         for name, layout in self.fp32_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layout)], 128]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))

@@ -97,4 +97,4 @@ def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
     if (p.extents_known and cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
             and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)
-    return cfg.pre(), cfg, cfg.post()
+    return cfg.pre(dlse=p.dlse), cfg, cfg.post()

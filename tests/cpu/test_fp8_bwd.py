@@ -1,0 +1,111 @@
+"""The FP8 (e4m3) backward without a GPU: its kernel compiles for sm_90a with every GEMM on k32
+e4m3 wgmma (QGMMA) and no serialised wgmma, its config refuses what the kernel does not build,
+``fp8=True`` is differentiable on CPU tensors through the recipe in PyTorch, and the launcher's
+host-side pieces (dO's row quantization, the rotation undone) do what they claim. (On a GPU:
+``tests/gpu/test_fp8_bwd_gradients.py``.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from cute_flash import flash_attn_func, jit, launch
+from cute_flash.formats import E4M3_MAX
+from cute_flash.hopper.bwd_fp8_config import BwdSm90Fp8Config, plan
+from cute_flash.problem import Problem
+from cute_flash.reference_fp8 import rotate
+from cute_flash.reference_fp8_bwd import KERNEL_RECIPE, attention_fp8_bwd_ref, exact_grads
+from cute_flash.tools import inspect as ins
+
+FAST = BwdSm90Fp8Config(target="sm_90a", hdim=128, causal=True)
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, marks=() if c == FAST else pytest.mark.slow,
+                                              id=f"d{c.hdim}-{'causal' if c.causal else 'full'}")
+                                 for c in (FAST, *(BwdSm90Fp8Config(target="sm_90a", hdim=d, causal=c)
+                                                   for d, c in ((128, False), (64, False), (64, True))))])
+def test_fp8_backward_compiles_to_e4m3_wgmma(cfg: BwdSm90Fp8Config) -> None:
+    ptx, cubin = jit.compile_artifacts(cfg)
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k(\d+)\.f32\.(\w+)\.(\w+)", ptx)
+    assert mmas and set(mmas) == {("32", "e4m3", "e4m3")}
+    assert "griddepcontrol.wait" in ptx  # launched early behind the preprocess (PDL)
+    if ins.tools_dir() is None:
+        pytest.skip("no cuobjdump: SASS not checked")
+    sass, _ = ins.cubin_sass_and_usage(cubin)
+    if not sass:
+        pytest.skip("no SASS")
+    # k32 steps per query block: S^T and dP^T d / 32 each, dV and dK tile_m / 32 each, dQ (head dim
+    # split over the warpgroups) tile_n / 32.
+    expect = 2 * cfg.hdim // 32 + 2 * cfg.tile_m // 32 + cfg.tile_n // 32
+    assert sass.count("QGMMA.") == expect
+    assert "HGMMA." not in sass
+    assert 0 < sass.count("WARPGROUP.DEPBAR") <= 4, "wgmma serialised?"
+    assert "UTMALDG" in sass and "UBLKRED" in sass
+
+
+def test_fp8_backward_config_refuses_what_the_kernel_does_not_build() -> None:
+    for bad in (dict(hdim=256), dict(hdim=128, local=True), dict(hdim=128, varlen=True),
+                dict(hdim=128, softcap=True), dict(hdim=128, tile_m=80), dict(hdim=128, split_loads=True),
+                dict(hdim=128, hdim_v=64)):
+        with pytest.raises(ValueError):
+            BwdSm90Fp8Config(target="sm_90a", **bad)
+    assert BwdSm90Fp8Config(target="sm_90a", hdim=128).smem_bytes() <= 227 * 1024
+
+
+def test_fp8_backward_plan_walks_causal_longest_first() -> None:
+    p = Problem(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, max_seqlen_q=8192,
+                max_seqlen_k=8192, heads_q=32, heads_kv=8, batch=1, num_sms=132)
+    pre, main, post = plan(p)
+    assert main.lpt and not main.split_loads and main.tile_m == 64
+    assert pre.tile_m == post.tile_m == main.tile_m
+
+
+def _inputs(b=1, nq=150, nk=150, h=4, hkv=2, d=64, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(b, nq, h, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, nk, hkv, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn(b, nq, h, d, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_true_is_differentiable_on_cpu_through_the_recipe(causal: bool) -> None:
+    """CPU tensors: the op's reference implementation runs the kernel's recipe (dO per row, P and
+    dS per tile) on the forward's saved e4m3 tensors: the recipe's gradients (up to V's
+    re-quantization) and FP8's error against fp64."""
+    q, k, v, dout = _inputs()
+    out = flash_attn_func(q, k, v, causal=causal, fp8=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    recipe = attention_fp8_bwd_ref(q, k, v, dout, causal=causal, recipe=KERNEL_RECIPE)
+    exact = exact_grads(q, k, v, dout, causal=causal)
+    for g, r, e in zip(grads, recipe, exact, strict=True):
+        assert g.dtype == torch.bfloat16 and g.shape == e.shape
+        rel = ((g.double() - e).norm() / e.norm()).item()
+        assert 0.0 < rel < 0.1
+        assert ((g.double() - r.double()).norm() / r.norm()).item() < 0.01
+
+
+def test_fp8_true_backward_refuses_what_it_does_not_cover() -> None:
+    q, k, v, _ = _inputs(d=256)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        flash_attn_func(q, k, v, fp8=True)
+    with torch.no_grad():  # the forward alone still runs every head dim
+        flash_attn_func(q, k, v, fp8=True)
+
+
+def test_quantize_rows_puts_each_rows_amax_at_448() -> None:
+    x = torch.randn(2, 33, 3, 64, dtype=torch.bfloat16) * torch.logspace(-3, 3, 33)[None, :, None, None]
+    x[0, 5, 1] = 0
+    x8, descale = launch.quantize_rows(x)
+    assert x8.dtype == torch.float8_e4m3fn and descale.shape == (2, 33, 3)
+    assert (x8.float().abs().amax(-1)[descale > 0] == E4M3_MAX).all()
+    assert (x8[0, 5, 1].float() == 0).all()
+    back = x8.float() * descale[..., None]
+    assert ((back - x.float()).abs() <= x.float().abs().amax(-1, keepdim=True) / 16 + 1e-30).all()
+
+
+def test_unrotate_undoes_the_forward_rotation() -> None:
+    x = torch.randn(2, 7, 3, 128, dtype=torch.float64)
+    y = launch.unrotate(rotate(x.float(), 5).double(), 5)
+    assert torch.allclose(y, x, atol=1e-5)
