@@ -2,13 +2,15 @@
 random init) learns multi-query associative recall with bf16 attention and with FP8 attention,
 forward and backward, from the same seed; does the FP8 loss curve track bf16's?
 
-Attention kinds: ``bf16`` (``flash_attn_func``) and ``fp8-recipe``: the FP8 forward's and the FP8
-backward's numerics in PyTorch (``reference_fp8`` / ``reference_fp8_bwd``: e4m3 Q, K, V rotated,
-P, dS and dO in e4m3), which runs anywhere; ``fp8-forward`` / ``fp8-backward`` take one half in
-FP8 and the other in bf16 (which half costs the loss). Prints the loss every ``--every`` steps and the final
-losses (mean of the last 10% of steps); ``--out`` writes the curves (JSON) and their plot.
+Attention kinds: ``bf16`` (``flash_attn_func``); ``fp8`` (``flash_attn_func(..., fp8=True)``: the
+FP8 forward and backward kernels on Hopper, their recipes in PyTorch on the CPU); ``fp8-recipe``:
+the FP8 forward's and an FP8 backward recipe's numerics in PyTorch (``reference_fp8`` /
+``reference_fp8_bwd``: e4m3 Q, K, V rotated, P, dS and dO in e4m3), which runs anywhere;
+``fp8-forward`` / ``fp8-backward`` take one half in FP8 and the other in bf16 (which half costs
+the loss). Prints the loss every ``--every`` steps and the final losses (mean of the last 10% of
+steps); ``--out`` writes the curves (JSON) and their plot.
 
-    python benchmarks/fp8_training.py [--steps 300] [--kinds bf16 fp8-recipe] [--device cpu]
+    python benchmarks/fp8_training.py [--steps 300] [--kinds bf16 fp8 fp8-recipe] [--device cpu]
         [--out DIR]
 """
 
@@ -71,6 +73,8 @@ def attention_fn(kind: str):
     its backward recipe's fields (``fp8-backward:ds=fp32,do=fp32``: which operand costs the loss)."""
     if kind == "bf16":
         return lambda q, k, v: cute_flash.flash_attn_func(q, k, v, causal=True)
+    if kind == "fp8":
+        return lambda q, k, v: cute_flash.flash_attn_func(q, k, v, causal=True, fp8=True)
     name, _, fields = kind.partition(":")
     if name not in RECIPE_KINDS:
         raise ValueError(f"unknown attention kind {kind!r}")

@@ -146,8 +146,8 @@ def _train(fp8: bool, steps: int, seed: int, pairs: int = 16, dim: int = 256, he
 def test_fp8_training_tracks_bf16() -> None:
     """Same seed, weights and batches: FP8 attention (forward and backward kernels) against bf16
     attention over 400 steps of a 2-layer decoder, two seeds. No run diverges, and the final loss
-    (mean of the last 40 steps, mean over the seeds) stays within 5% of bf16's (the measured gap and
-    the per-seed noise are in docs/design.md)."""
+    (mean of the last 40 steps, mean over the seeds) stays within 4% of bf16's: a single run moves
+    by about 3% with the seed; over four seeds the gap measured 1.2% (docs/design.md)."""
     finals = {}
     for fp8 in (False, True):
         runs = [_train(fp8, steps=400, seed=s) for s in (0, 1)]
@@ -155,4 +155,4 @@ def test_fp8_training_tracks_bf16() -> None:
             assert all(math.isfinite(x) for x in losses)
             assert max(losses[-40:]) < losses[0], "no learning"
         finals[fp8] = sum(sum(r[-40:]) / 40 for r in runs) / len(runs)
-    assert finals[True] <= 1.05 * finals[False], finals
+    assert finals[True] <= 1.04 * finals[False], finals
