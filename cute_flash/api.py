@@ -55,11 +55,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     mask_mod's ``create_block_mask(mask_mod, B, H, Nq, Nk)``, made once and reused: the kernels
     skip the blocks it leaves empty and run the full ones without the mask_mod.
 
-    FP8 (forward only; d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32
-    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if
-    omitted) give a bf16 output; ``fp8=True`` on bf16 / fp16 inputs quantizes them first
+    FP8 (d in 64 / 128 / 256, d_v = d; no softcap): e4m3 q, k, v with fp32 ``q_descale`` /
+    ``k_descale`` / ``v_descale`` of shape (B, H_kv) (FA3's convention; 1 if omitted) give a bf16
+    output (no gradient); ``fp8=True`` on bf16 / fp16 inputs quantizes them first
     (``quantize_qkv``: Hadamard rotation of Q and K, per-(batch, kv head) scales) and returns
-    their dtype. Hopper kernels on sm90 tensors, the reference (``reference_fp8``) on CPU tensors.
+    their dtype, differentiable at d = 64 / 128 without a sliding window (the e4m3 backward,
+    ``ops_fp8.Fp8Attention``). Hopper kernels on sm90 tensors, the references (``reference_fp8``,
+    ``reference_fp8_bwd``) on CPU tensors.
     """
     flags = {"causal": causal, "deterministic": deterministic, "return_lse": return_lse, "fp8": fp8}
     validate.check_call({"q": q, "k": k, "v": v}, flags)
