@@ -177,6 +177,11 @@ def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig
     return fp8_bwd.plan(p, overrides)
 
 
+def fp8_bwd_quant_configs(dtype: str, hdim: int) -> list[jit.KernelConfig]:
+    """The FP8 backward's quantize kernels: dO per row, V at its descales (natural layout)."""
+    return fp8.bwd_quant_configs(dtype, hdim)
+
+
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,
                   v_aligned: bool = False) -> list[jit.KernelConfig]:
     """The quantize kernels of ``quantize_qkv`` (amax and quant phases for Q / K, then for V)."""

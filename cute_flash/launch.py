@@ -452,7 +452,14 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """(x8, descale): x (B, N, H, d) in e4m3 with one scale per (token, head) row, its amax at 448,
-    and the fp32 (B, N, H) descales (all-zero rows: codes 0). Four passes of PyTorch."""
+    and the fp32 (B, N, H) descales (all-zero rows: codes 0). On sm90 the quantize kernel's rows
+    phase (one pass), elsewhere PyTorch."""
+    if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
+        x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
+        descale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        rows = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1])[0]
+        jit.compile_kernel(rows)(x, _signs(x.shape[-1], 0, x.device), descale, x8, None, 0, None)
+        return x8, descale
     descale = x.abs().amax(dim=-1, keepdim=True).float().div_(E4M3_MAX)
     codes = torch.div(x, descale.clamp_min(torch.finfo(torch.float32).tiny))
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), descale.squeeze(-1)
@@ -460,7 +467,13 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize_like(x: Tensor, descale: Tensor) -> Tensor:
     """x (B, N, H_kv, d) in e4m3 at the forward's (B, H_kv) descales, natural layout (the dP GEMM
-    reads V with the head dim contiguous)."""
+    reads V with the head dim contiguous): the quantize kernel on sm90, elsewhere PyTorch."""
+    if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
+        x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
+        quant = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1])[1]
+        amax = (descale * E4M3_MAX).contiguous()
+        jit.compile_kernel(quant)(x, _signs(x.shape[-1], 0, x.device), amax, x8, None, 0, None)
+        return x8
     inv = 1.0 / descale.clamp_min(torch.finfo(torch.float32).tiny)
     codes = torch.mul(x, inv[:, None, :, None])
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)

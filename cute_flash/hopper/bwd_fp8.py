@@ -202,6 +202,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                           **{name: getattr(storage, name).get_tensor(layout)
                              for name, layout in self.fp32_layouts().items()})
         smem.sE = storage.sE.get_tensor(self.sE_layout.outer, swizzle=self.sE_layout.inner)
+        smem.sdS_raw = storage.sdS.data_ptr()
         args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=None, mCuSeqlensK=None, mSemaphore=mSemaphore,
                             window_left=window_left, window_right=window_right, qhead_per_kv=qhead_per_kv,
                             aux=(), aux_grads=(), mBlocks=None)
@@ -224,6 +225,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 self.wait_for_preprocess()
                 ctx = self.consumer_setup(smem, scales, args)
                 ctx.descales = (mQd[batch, head_kv], mKd[batch, head_kv], mVd[batch, head_kv])
+                ctx.sdS_raw = smem.sdS_raw
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
                 self.consumer_tile(ctx, mdK, mdV, pipes, seqlen, work, scales, kv_state, state)
@@ -324,18 +326,20 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         wg_gemm(self.mma_dkv, ctx.acc_dV, self.a_operand(rP), ctx.tdVrdOt[None, None, None, s],
                 zero_init=False, wg_wait=-1)
         rdS, ds_descale = self.quantize_ds(ctx, acc_dP, amax)
-        wg_gemm(self.mma_dkv, ctx.acc_dK, self.a_operand(rdS), ctx.tdKrQt[None, None, None, s],
-                zero_init=False, wg_wait=-1)
         cute.arch.fence_view_async_shared()  # generic-proxy writes before wgmma reads them
         cute.arch.barrier(barrier_id=BAR_DS_FULL, number_of_threads=self.num_mma_threads)
+        # dQ before dK: once dV and dQ are done, dQ's tile goes to the writer warp under dK.
         acc_dQ = cute.make_rmem_tensor(ctx.thr_dq.partition_shape_C(dq_acc_shape(self.tile_m, self.hdim)),
                                        Float32)
-        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=0)
-        pipes.q.consumer_release(state)
+        wg_gemm(self.mma_dq, acc_dQ, ctx.tdQrdS, ctx.tdQrKt, zero_init=True, wg_wait=-1)
+        wg_gemm(self.mma_dkv, ctx.acc_dK, self.a_operand(rdS), ctx.tdKrQt[None, None, None, s],
+                zero_init=False, wg_wait=1)
         f = ds_descale * ctx.k_descale
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * f
         self.store_dq(ctx, acc_dQ, head, m_block)
+        warpgroup.wait_group(0)
+        pipes.q.consumer_release(state)
 
     def a_operand(self, r8: cute.Tensor) -> cute.Tensor:
         """Exchanged e4m3 registers as the k32 RS wgmma's A: ((4 tokens, 2 rows, 2 halves), M, K / 32)."""
@@ -347,7 +351,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         thread's amax of it."""
         p = acc_to_mn(acc_S)
         dp = acc_to_mn(acc_dP)
-        amax = Float32(0.0)
+        # Four running maxima, not one chain of dependent FMNMX.
+        part = [Float32(0.0)] * 4
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             query = self.stat_query(ctx, c)
             f = ctx.v_descale * sDOs[query]
@@ -355,8 +360,9 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 x = p[r, c] * (dp[r, c] * f - dsum)
                 dp[r, c] = x
-                amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
-        return amax
+                j = (c * cute.size(dp, mode=[0]) + r) % 4
+                part[j] = cute.arch.fmax(part[j], cute.arch.fmax(x, -x))
+        return cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
 
     @cute.jit
     def quantize_p(self, ctx, acc_S, sDOs) -> cute.Tensor:
@@ -364,9 +370,10 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         P <= 1 bounds P~ by it), the dV accumulator rescaled where that maximum grows; returns the
         exchanged A registers."""
         p = acc_to_mn(acc_S)
-        top = Float32(0.0)
+        part = [Float32(0.0)] * 4
         for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
-            top = cute.arch.fmax(top, sDOs[self.stat_query(ctx, c)])
+            part[c % 4] = cute.arch.fmax(part[c % 4], sDOs[self.stat_query(ctx, c)])
+        top = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
         # The quad's lanes hold every query of the block between them (the same in every warp).
         for off in (1, 2):
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=off))
@@ -414,13 +421,26 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
             acc_dS[i] = acc_dS[i] * inv
         rdS = cute.make_rmem_tensor_like(acc_dS, self.dtype)
         rdS.store(acc_dS.load().to(self.dtype))
-        codes = acc_to_mn(rdS)
-        for r in cutlass.range_constexpr(cute.size(codes, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(codes, mode=[1])):
-                key, query = ctx.tScS[r, c]
-                ctx.smem.sdS[query, key] = codes[r, c]
+        self.store_ds_bytes(ctx, acc_to_mn(rdS))
         quad_exchange_p(rdS, self.tile_m // 32)
         return rdS, ctx.running[1] / Float32(E4M3_MAX)
+
+    @cute.jit
+    def store_ds_bytes(self, ctx, codes: cute.Tensor) -> None:
+        """dS^T's e4m3 codes (accumulator order: rows r = key halves, columns c = 2 j + e, query
+        8 j + 2 q + e) into the (queries, keys) tile, one byte each. The tile is 128 keys wide,
+        swizzled S<3,4,3> (offset o = query * 128 + key, bits 7-9 XOR-ed into bits 4-6): query
+        8 j + x has x's swizzle 1024 j bytes further, so four base addresses per thread and
+        immediate offsets serve all of its stores (per-element addresses stay live across the
+        loop and spill)."""
+        for r in cutlass.range_constexpr(cute.size(codes, mode=[0])):
+            for e in cutlass.range_constexpr(2):
+                key, query = ctx.tScS[r, e]
+                o = query * self.tile_n + key
+                base = o ^ ((o >> 3) & 0x70)
+                for j in cutlass.range_constexpr(cute.size(codes, mode=[1]) // 2):
+                    byte = cute.make_tensor(ctx.sdS_raw + base + 1024 * j, cute.make_layout(1))
+                    byte[0] = codes[r, 2 * j + e]
 
     # ------------------------------------------------------------------------------------------
     # Epilogue

@@ -1,5 +1,5 @@
-"""One backward pass of ours or flash-attn-4's, for Nsight Compute (developer tool): a few warm
-passes so ``ncu --launch-skip`` lands on a warm main kernel.
+"""One backward pass of ours (``fp8``: the FP8 one) or flash-attn-4's, for Nsight Compute
+(developer tool): a few warm passes so ``ncu --launch-skip`` lands on a warm main kernel.
 
     ncu --clock-control none -k regex:'FlashBwdSm90(Wide)?_object|FlashAttentionBackwardSm90' \\
         --launch-skip 2 --launch-count 1 --set full -o ours python scripts/profile/ncu_bwd.py ours 64 2048 1
@@ -33,11 +33,11 @@ def main() -> None:
         return
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    if which == "ours":
+    if which in ("ours", "fp8"):
         from cute_flash import flash_attn_func
     else:
         from flash_attn.cute import flash_attn_func
-    out = flash_attn_func(q, k, v, causal=causal)
+    out = flash_attn_func(q, k, v, causal=causal, **({"fp8": True} if which == "fp8" else {}))
     out = out[0] if isinstance(out, tuple) else out
     do = torch.randn_like(out)
     for _ in range(4):

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
 d=${1:-64}; n=${2:-2048}; c=${3:-1}; ov=${4:-}
 for who in ${NCU_WHO:-ours fa4}; do
-  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k regex:'FlashBwdSm90(Wide)?_object|FlashAttentionBackwardSm90' \
+  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k regex:'FlashBwdSm90(Wide|Fp8)?_object|FlashAttentionBackwardSm90' \
     --launch-skip 2 --launch-count 1 --set full -f -o "$OUT/${who}_d${d}" \
     python scripts/profile/ncu_bwd.py "$who" "$d" "$n" "$c" $ov > "/tmp/${who}_d${d}_run.log" 2>&1
   echo "== ncu $who rc=$?"; tail -3 "/tmp/${who}_d${d}_run.log"

@@ -109,3 +109,13 @@ def test_unrotate_undoes_the_forward_rotation() -> None:
     x = torch.randn(2, 7, 3, 128, dtype=torch.float64)
     y = launch.unrotate(rotate(x.float(), 5).double(), 5)
     assert torch.allclose(y, x, atol=1e-5)
+
+
+def test_row_scaled_quantize_kernel_compiles_and_refuses_rotation() -> None:
+    from cute_flash.hopper.fp8_config import QuantizeConfig, bwd_quant_configs
+
+    rows, quant = bwd_quant_configs("bf16", 128)
+    assert rows.phase == "rows" and not quant.rotate and not quant.transpose
+    assert jit.spill_bytes(rows) == 0
+    with pytest.raises(ValueError, match="rows phase"):
+        QuantizeConfig(target="sm_90a", hdim=128, rotate=True, phase="rows")
