@@ -438,7 +438,8 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     v8 = quantize_like(v, v_descale)
     dout = dout.contiguous()
     do8, do_descale = quantize_rows(dout)
-    q8t, k8t, do8t = (token_contiguous_copy(t) for t in (q8, k8, do8))
+    q8t, do8t = (token_contiguous_copy(t, cfg.qdo_perm) for t in (q8, do8))
+    k8t = token_contiguous_copy(k8, False)
     lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, b, nq, False)
     rows_descale = torch.zeros_like(dsum)
     rows_descale[..., :nq] = do_descale.transpose(1, 2)
@@ -479,11 +480,13 @@ def quantize_like(x: Tensor, descale: Tensor) -> Tensor:
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
-def token_contiguous_copy(x8: Tensor) -> Tensor:
+def token_contiguous_copy(x8: Tensor, perm: bool) -> Tensor:
     """An e4m3 (B, N, H, d) tensor as a (B, N, H, d) view over (B, H, d, N_pad) storage, the tokens
     contiguous (N_pad a multiple of 16: TMA strides; the view's extent N, so boxes past it read
-    zeros): ``relayout_v``'s kernel."""
-    return relayout_v(x8, v_perm=False)[..., :x8.shape[1]].permute(0, 3, 1, 2)
+    zeros), or with ``perm`` each 16 tokens in ``formats.V_PERM16`` order and the whole N_pad
+    storage (padding zeros) as the view: ``relayout_v``'s kernel."""
+    store = relayout_v(x8, v_perm=perm)
+    return (store if perm else store[..., :x8.shape[1]]).permute(0, 3, 1, 2)
 
 
 _UNROTATE: dict[tuple, Tensor] = {}
