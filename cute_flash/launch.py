@@ -438,7 +438,8 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     v8 = quantize_like(v, v_descale)
     dout = dout.contiguous()
     do8, do_descale = quantize_rows(dout)
-    q8t, do8t = (token_contiguous_copy(t, cfg.qdo_perm) for t in (q8, do8))
+    # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
+    q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
     k8t = token_contiguous_copy(k8, False)
     lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, b, nq, False)
     rows_descale = torch.zeros_like(dsum)

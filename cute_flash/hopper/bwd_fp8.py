@@ -18,7 +18,7 @@ What differs from 16 bit, and why:
   holds the same maxima). dQ of a block carries its own dS scale, applied before the hand-off.
 * P^T and dS^T leave the S^T / dP^T accumulators as e4m3 A fragments. Q^T and dO^T come with each
   16 queries in the forward's V order (``formats.V_PERM16``), so a byte merge within each lane
-  does it (``fwd_fp8.merge_own_p``) instead of the quad exchange. dS also goes to smem for dQ,
+  does it (``fwd_fp8.merge_own_p``) instead of a quad exchange across lanes. dS also goes to smem for dQ,
   keys contiguous (the dQ GEMM's K-major A), one byte per store: the 8-bit stmatrix does not
   transpose.
 * dK and dV leave through a 16-bit smem tile of their own (K's and V's tiles are 8 bit).
@@ -43,7 +43,7 @@ from cute_flash.formats import E4M3_MAX
 from cute_flash.hopper.bwd import BAR_DS_EMPTY, BAR_DS_FULL, FlashBwdSm90
 from cute_flash.hopper.bwd_dq import dq_acc_shape
 from cute_flash.hopper.fwd import wg_gemm
-from cute_flash.hopper.fwd_fp8 import merge_own_p, quad_exchange_p
+from cute_flash.hopper.fwd_fp8 import merge_own_p
 
 # A running maximum's start: above zero, so 448 / max stays finite while every value seen is 0.
 RUNNING_MAX_FLOOR = 1e-30
@@ -343,14 +343,10 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         warpgroup.wait_group(0)
         pipes.q.consumer_release(state)
 
-    @cute.jit
     def to_a_fragment(self, r8: cute.Tensor) -> None:
-        """e4m3 codes in accumulator order -> the k32 A fragment's: a byte merge in each lane with
-        Q^T / dO^T in the kernel's query order (``qdo_perm``), else the quad exchange."""
-        if cutlass.const_expr(self.cfg.qdo_perm):
-            merge_own_p(r8, self.tile_m // 32)
-        else:
-            quad_exchange_p(r8, self.tile_m // 32)
+        """e4m3 codes in accumulator order -> the k32 A fragment's: with Q^T / dO^T in the kernel's
+        query order (``formats.V_PERM16``) a byte merge within each lane."""
+        merge_own_p(r8, self.tile_m // 32)
 
     def a_operand(self, r8: cute.Tensor) -> cute.Tensor:
         """Exchanged e4m3 registers as the k32 RS wgmma's A: ((4 tokens, 2 rows, 2 halves), M, K / 32)."""

@@ -29,10 +29,6 @@ _FIXED = dict(split_loads=False, dq_before_dk=False, ds_stages=1, ds_before_dv=F
 class BwdSm90Fp8Config(BwdSm90Config):
     """``BwdSm90Config`` with e4m3 GEMM operands; ``dtype`` is that of O, dO and the gradients."""
 
-    # Q^T and dO^T with each 16 queries in ``formats.V_PERM16`` order (as the forward's V): the
-    # P~^T and dS^T A fragments then need a byte merge within each lane, not a quad exchange.
-    qdo_perm: bool = True
-
     kernel_name = "bwd_sm90_fp8"
 
     def __post_init__(self) -> None:
@@ -75,8 +71,8 @@ class BwdSm90Fp8Config(BwdSm90Config):
         q, do = (jit.fake_tensor(f8, (b, nq, h, d), divisibility=16) for _ in range(2))
         k, v = (jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16) for _ in range(2))
         # Token-contiguous copies ((B, H, d, N_pad) storage, N_pad a multiple of 16 for TMA).
-        # (In the permuted order the whole N_pad storage: its own extent.)
-        nqt = jit.sym() if self.qdo_perm else nq
+        # (Q^T and dO^T in the kernel's query order: the whole N_pad storage, its own extent.)
+        nqt = jit.sym()
         qt, dot = (jit.fake_tensor(f8, (b, nqt, h, d), leading_dim=1, divisibility=16) for _ in range(2))
         kt = jit.fake_tensor(f8, (b, nk, hkv, d), leading_dim=1, divisibility=16)
         lse2, dsum, dq_acc, sem = signatures.scratch_fakes(False, h, b, self.deterministic)
