@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cute_flash import disk_cache, dispatch, jit, launch
 from cute_flash.ampere.kvcache_config import AppendKVConfig
+from cute_flash.formats import FP8_BWD_HDIMS
 
 # The plans' thresholds fall anywhere, so the sweep is dense (planning is host arithmetic, ~0.1 s a
 # spec): query = key lengths of training and prefill in steps of ~8% from 1 to 128k, (query, key)
@@ -119,19 +120,29 @@ def plan_configs(spec: AttentionSpec, arch: str, num_sms: int, seqlens: tuple[in
 def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[int, int]], causal: bool,
               local: bool) -> list[jit.KernelConfig]:
     """The ``fp8=True`` path's kernels: quantize Q / K (rotated) and V, then the e4m3 forward, whose
-    plan reads the extents (the token totals of a pack)."""
+    plan reads the extents (the token totals of a pack); with ``backward`` where the FP8 backward
+    covers the spec (dense, no window, d in ``FP8_BWD_HDIMS``), its quantize / re-layout kernels
+    and its (pre, main, post) per length."""
     if not dispatch.is_hopper(arch):
         raise ValueError(f"the FP8 kernels are Hopper kernels (sm_90a), not {arch}")
-    if spec.softcap or spec.backward or spec.hdim_v not in (None, spec.hdim):
-        raise ValueError("the FP8 path is a forward without softcap, with one head dim for Q, K and V")
+    if spec.softcap or spec.hdim_v not in (None, spec.hdim):
+        raise ValueError("the FP8 path has no softcap, and one head dim for Q, K and V")
     packed = spec.varlen
     out: dict[jit.KernelConfig, None] = dict.fromkeys(dispatch.quant_configs(
         spec.dtype, spec.hdim, rotate=True, v_perm=not packed, varlen=packed, v_aligned=packed))
+    backward = spec.backward and not packed and not local and spec.hdim in FP8_BWD_HDIMS
+    if backward:
+        out.update(dict.fromkeys(dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim)))
+        out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=False)
+                                 for perm in (False, True)))
     for nq, nk in pairs:
         p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local, varlen=packed,
                                  seqlen_q=nq, seqlen_k=nk, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
                                  num_sms=num_sms, q_dense=True)
         out[dispatch.fp8_fwd_config(p, v_perm=not spec.varlen)] = None
+        if backward and nq == nk:
+            p = replace(p, deterministic=spec.deterministic, dlse=False)
+            out.update(dict.fromkeys(dispatch.fp8_bwd_configs(p)))
     return list(dict.fromkeys(replace(c, target=arch) for c in out))
 
 
@@ -248,9 +259,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--varlen", action="store_true", help="also the packed-sequence (varlen) variants")
     p.add_argument("--no-bwd", action="store_true", help="forward kernels only (inference)")
     p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
-    p.add_argument("--fp8", action="store_true", help="the fp8=True forward instead (Hopper: quantize with "
-                                                     "the rotation, e4m3 attention; no backward); with "
-                                                     "--kvcache, an e4m3 cache")
+    p.add_argument("--fp8", action="store_true", help="the fp8=True path instead (Hopper: quantize with the "
+                                                     "rotation, e4m3 attention, its backward where it "
+                                                     "covers the spec); with --kvcache, an e4m3 cache")
     p.add_argument("--kvcache", action="store_true", help="the flash_attn_with_kvcache kernels instead "
                                                          "(decoding, chunked prefill; forward only)")
     p.add_argument("--page-size", type=int, default=0, help="with --kvcache: a paged cache of these pages")
@@ -292,10 +303,11 @@ def specs_from_args(args: argparse.Namespace) -> list[AttentionSpec]:
 
 
 def _fp8_fields(args: argparse.Namespace) -> dict:
-    """The fields of --fp8 and --kvcache (both forward only)."""
+    """The fields of --fp8 (its backward where it covers the spec, unless --no-bwd) and --kvcache
+    (forward only)."""
     if args.kvcache:  # (with --fp8: an e4m3 cache)
         return dict(kvcache=True, fp8=args.fp8, page_size=args.page_size, backward=False)
-    return dict(fp8=True, backward=False) if args.fp8 else {}
+    return dict(fp8=True) if args.fp8 else {}
 
 
 def _target(args: argparse.Namespace) -> tuple[str, int]:
