@@ -119,3 +119,28 @@ def test_row_scaled_quantize_kernel_compiles_and_refuses_rotation() -> None:
     assert jit.spill_bytes(rows) == 0
     with pytest.raises(ValueError, match="rows phase"):
         QuantizeConfig(target="sm_90a", hdim=128, rotate=True, phase="rows")
+
+
+def test_opcheck_fp8_backward_op() -> None:
+    """``cute_flash::bwd_fp8``'s fake implementation (shapes, dtypes, strides) and registration;
+    as for the forward ops, opcheck's schema test does arithmetic CPU e4m3 tensors lack."""
+    q, k, v, dout = _inputs(nq=40, nk=40, h=2, hkv=2)
+    q8, k8, v8, qd, kd, vd = torch.ops.cute_flash.quantize_qkv(*(t.detach() for t in (q, k, v)), True, 0, True)
+    out, lse = torch.ops.cute_flash.fwd_fp8(q8, k8, v8, qd, kd, vd, 0.125, True, -1, -1, torch.bfloat16, True)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.cute_flash.bwd_fp8.default,
+                              (dout, q8, k8, v.detach(), qd, kd, vd, out, lse, dlse, 0.125, True, 0, False),
+                              test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_fp8_true_backward_under_torch_compile_matches_eager() -> None:
+    q, k, v, dout = _inputs(nq=40, nk=40, h=2, hkv=2)
+
+    def f(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, fp8=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v), dout)
+    want = torch.autograd.grad(f(q, k, v), (q, k, v), dout)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
