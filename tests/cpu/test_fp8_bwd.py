@@ -125,11 +125,12 @@ def test_opcheck_fp8_backward_op() -> None:
     """``cute_flash::bwd_fp8``'s fake implementation (shapes, dtypes, strides) and registration;
     as for the forward ops, opcheck's schema test does arithmetic CPU e4m3 tensors lack."""
     q, k, v, dout = _inputs(nq=40, nk=40, h=2, hkv=2)
-    q8, k8, v8, qd, kd, vd = torch.ops.cute_flash.quantize_qkv(*(t.detach() for t in (q, k, v)), True, 0, True)
+    q, k, v = (t.detach() for t in (q, k, v))
+    q8, k8, v8, qd, kd, vd = torch.ops.cute_flash.quantize_qkv(q, k, v, True, 0, True)
     out, lse = torch.ops.cute_flash.fwd_fp8(q8, k8, v8, qd, kd, vd, 0.125, True, -1, -1, torch.bfloat16, True)
     for dlse in (None, torch.randn_like(lse)):
         torch.library.opcheck(torch.ops.cute_flash.bwd_fp8.default,
-                              (dout, q8, k8, v.detach(), qd, kd, vd, out, lse, dlse, 0.125, True, 0, False),
+                              (dout, q8, k8, v, qd, kd, vd, out, lse, dlse, 0.125, True, 0, False),
                               test_utils=("test_faketensor", "test_autograd_registration"))
 
 
