@@ -436,7 +436,9 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     pre, main, post = (jit.compile_kernel(c) for c in configs)
     cfg = configs[1]
     v8 = quantize_like(v, v_descale)
-    dout = dout.contiguous()
+    # (Autograd may hand in broadcast views, e.g. dlse of lse.sum(): all strides 0.)
+    dout = _dense(dout)
+    dlse = None if dlse is None else _dense(dlse.float())
     do8, do_descale = quantize_rows(dout)
     # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
     q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
@@ -450,6 +452,13 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
          sem, q_descale, k_descale, v_descale, scale, -1, -1)
     post(dq_acc, dq, None, scale, nq)
     return dq, dk, dv
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` if contiguous and 16-byte aligned (the kernels' vector loads), else such a copy."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -495,13 +504,15 @@ _UNROTATE: dict[tuple, Tensor] = {}
 
 def unrotate(x: Tensor, seed: int) -> Tensor:
     """x M^T for the forward's rotation M = D H / sqrt(d) (``reference_fp8.rotate``): one d x d
-    GEMM in x's dtype with fp32 accumulation, the matrix made once per (d, seed, device)."""
+    GEMM in x's dtype with fp32 accumulation against the +-1 matrix H D (exact in 16 bit, made
+    once per (d, seed, device)), then 1 / sqrt(d) (a 16-bit 1 / sqrt(d) in the matrix would
+    scale every gradient by its rounding error)."""
     d = x.shape[-1]
     key = (d, int(seed), x.device, x.dtype)
     if key not in _UNROTATE:
-        had = reference_fp8.hadamard_matrix(d) / d ** 0.5
-        _UNROTATE[key] = (had * formats.hadamard_signs(d, seed).double()).to(device=x.device, dtype=x.dtype)
-    return x @ _UNROTATE[key]
+        signed = reference_fp8.hadamard_matrix(d) * formats.hadamard_signs(d, seed).double()
+        _UNROTATE[key] = signed.to(device=x.device, dtype=x.dtype)
+    return (x @ _UNROTATE[key]).mul_(d ** -0.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from cute_flash import formats, launch, reference_fp8, reference_fp8_bwd, validate
 from cute_flash.formats import FP8
@@ -250,7 +251,8 @@ class Fp8Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+    @once_differentiable
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q8, k8, v, qd, kd, vd, out, lse = ctx.saved_tensors
         scale, causal, seed, deterministic = ctx.args
         if dout is None and dlse is None:

@@ -491,7 +491,7 @@ def check_fp8_varlen_inputs(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor
 def check_fp8_quantize_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                descales: Sequence[torch.Tensor | None], varlen: bool = False) -> None:
     """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout;
-    packed sequences have no FP8 backward yet)."""
+    the FP8 backward does not cover packed sequences)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
     if q.dtype != k.dtype or k.dtype != v.dtype:

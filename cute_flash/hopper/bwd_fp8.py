@@ -47,6 +47,9 @@ from cute_flash.hopper.fwd_fp8 import merge_own_p
 
 # A running maximum's start: above zero, so 448 / max stays finite while every value seen is 0.
 RUNNING_MAX_FLOOR = 1e-30
+# P~'s bound over max s_do: P may exceed 1 where the forward's row sums (of e4m3-rounded P, or of
+# its FFMA codes, up to 6% above exp2) came out low; this keeps those P below saturation.
+P_HEADROOM = 1.125
 
 
 def transposed_view(t: cute.Tensor) -> cute.Tensor:
@@ -374,8 +377,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     @cute.jit
     def quantize_p(self, ctx, acc_S, sDOs) -> cute.Tensor:
         """P~ = P * s_do[query] in e4m3 against the running maximum of max s_do (``running[0]``:
-        P <= 1 bounds P~ by it), the dV accumulator rescaled where that maximum grows; returns the
-        exchanged A registers."""
+        P <= 1, with ``P_HEADROOM``, bounds P~ by it), the dV accumulator rescaled where that
+        maximum grows; returns the A fragment registers."""
         p = acc_to_mn(acc_S)
         part = [Float32(0.0)] * 4
         for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
@@ -384,7 +387,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         # The quad's lanes hold every query of the block between them (the same in every warp).
         for off in (1, 2):
             top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=off))
-        inv = self.grow_running(ctx, 0, top, ctx.acc_dV)
+        inv = self.grow_running(ctx, 0, top * P_HEADROOM, ctx.acc_dV)
         for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
             f = sDOs[self.stat_query(ctx, c)] * inv
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):

@@ -19,9 +19,9 @@ from cute_flash.problem import Problem
 # and the dQ MMA's fragment order a multiple of 64.
 SM90_FP8_BWD_TILE_M = {64: 64, 128: 64}
 
-# The schedule the FP8 kernel implements: one Q/dO pipeline (no split loads), dQ after dK, one dS
+# The schedule the FP8 kernel implements: one Q/dO pipeline (no split loads), dQ before dK, one dS
 # buffer (its barrier also carries the dS amax exchange), masks only on edge blocks.
-_FIXED = dict(split_loads=False, dq_before_dk=False, ds_stages=1, ds_before_dv=False, prefetch_stats=False,
+_FIXED = dict(split_loads=False, dq_before_dk=True, ds_stages=1, ds_before_dv=False, prefetch_stats=False,
               dkv_stmatrix=False, mask_always=False, rotate_m=False)
 
 
@@ -87,7 +87,6 @@ class BwdSm90Fp8Config(BwdSm90Config):
 def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool, varlen: bool) -> bool:
     """Whether the FP8 backward runs this problem."""
     return hdim in FP8_BWD_HDIMS and hdim_v == hdim and not local and not varlen
-
 
 
 def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:

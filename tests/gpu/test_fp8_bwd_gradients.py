@@ -83,6 +83,23 @@ def test_fp8_backward_takes_the_lse_gradient() -> None:
         assert _rel_rmse(g, e) < 0.12
 
 
+def test_fp8_backward_takes_broadcast_gradients() -> None:
+    """out.sum() + lse.sum(): autograd hands dO and dLSE in as all-stride-0 expands."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, causal=True, fp8=True, return_lse=True)
+    (out.float().sum() + lse.sum()).backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(128)
+    s = s.masked_fill(torch.ones(200, 200, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    o64 = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v64)
+    (o64.sum() + torch.logsumexp(s, dim=-1).sum()).backward()
+    for t, t64 in ((q, q64), (k, k64), (v, v64)):
+        assert torch.isfinite(t.grad).all()
+        assert _rel_rmse(t.grad, t64.grad) < 0.25  # (FP8: ~0.07; a wrong read: ~1)
+
+
 def test_fp8_backward_rotation_is_undone() -> None:
     """dQ / dK come back in the inputs' basis: the launcher's unrotation is the inverse of the
     quantize kernels' rotation (rotate then unrotate is the identity)."""
