@@ -31,6 +31,17 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
+def tflops_rotated(fns: dict, flops: float, rounds: int = 3) -> dict[str, float]:
+    """TFLOP/s of each callable: the median over ``rounds`` rounds, each starting one further
+    along the list (no contestant always runs first)."""
+    times: dict[str, list[float]] = {x: [] for x in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for x in names[r % len(names):] + names[:r % len(names)]:
+            times[x].append(bench(fns[x]))
+    return {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
+
+
 def guarded(name: str, fn) -> None:
     try:
         fn()
@@ -111,12 +122,7 @@ def attn_speed(d: int, n: int, causal: bool) -> None:
         fns["fa4-bf16"] = lambda: flash_attn_func(q, k, v, causal=causal)
     except Exception:  # noqa: BLE001
         pass
-    times: dict[str, list[float]] = {x: [] for x in fns}
-    names = list(fns)
-    for r in range(3):
-        for x in names[r % len(names):] + names[:r % len(names)]:
-            times[x].append(bench(fns[x]))
-    tf = {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
+    tf = tflops_rotated(fns, flops)
     print(f"attn d={d} N={n} causal={int(causal)}: " + " ".join(f"{x} {v:.0f}" for x, v in tf.items())
           + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
 
@@ -153,12 +159,7 @@ def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
         fns["fa4-bf16"] = lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
     except Exception:  # noqa: BLE001
         pass
-    times: dict[str, list[float]] = {x: [] for x in fns}
-    names = list(fns)
-    for r in range(3):
-        for x in names[r % len(names):] + names[:r % len(names)]:
-            times[x].append(bench(fns[x]))
-    tf = {x: flops / statistics.median(t) / 1e9 for x, t in times.items()}
+    tf = tflops_rotated(fns, flops)
     print(f"bwd d={d} N={n} H={h}/{hkv} causal={int(causal)}: "
           + " ".join(f"{x} {v:.0f}" for x, v in tf.items()) + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}",
           flush=True)

@@ -432,9 +432,7 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
                              seqlen_q=nq, seqlen_k=nk, heads_q=h, heads_kv=hkv, num_sms=sm_count(q8.device),
                              q_dense=True)
     p = dataclasses.replace(p, deterministic=deterministic, dlse=dlse is not None, batch=b)
-    configs = dispatch.fp8_bwd_configs(p, tuple(sorted(overrides.items())))
-    pre, main, post = (jit.compile_kernel(c) for c in configs)
-    cfg = configs[1]
+    cfg, pre, main, post = _fp8_bwd_kernels(p, tuple(sorted(overrides.items())))
     v8 = quantize_like(v, v_descale)
     # (Autograd may hand in broadcast views, e.g. dlse of lse.sum(): all strides 0.)
     dout = _dense(dout)
@@ -452,6 +450,14 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
          sem, q_descale, k_descale, v_descale, scale, -1, -1)
     post(dq_acc, dq, None, scale, nq)
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=512)
+def _fp8_bwd_kernels(p: Problem, overrides: tuple) -> tuple:
+    """The main config and the compiled (pre, main, post) kernels of one FP8 backward problem,
+    cached as ``_bwd_kernels``: the plan's Python costs more than the host can spare per call."""
+    configs = dispatch.fp8_bwd_configs(p, overrides)
+    return (configs[1], *(jit.compile_kernel(c) for c in configs))
 
 
 def _dense(t: Tensor) -> Tensor:

@@ -3,6 +3,9 @@
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 
 def acc_to_mn(acc: cute.Tensor, transpose: bool = False) -> cute.Tensor:
@@ -48,3 +51,13 @@ def pack_heads(t: cute.Tensor, pack: int, head_mode: int) -> cute.Tensor:
     shape = ((pack, s[0]), *s[1:head_mode], s[head_mode] // pack, *s[head_mode + 1:])
     stride = ((d[head_mode], d[0]), *d[1:head_mode], d[head_mode] * pack, *d[head_mode + 1:])
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def wgmma_smem_tile(dtype, rows: int, cols: int, stages: int | None = None):
+    """K-major wgmma-canonical swizzled smem tile of ``dtype``, the columns contiguous (the widest
+    of the 128 / 64 / 32-byte swizzles the row allows), ``stages`` deep or single."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))

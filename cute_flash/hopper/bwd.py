@@ -148,10 +148,15 @@ class FlashBwdSm90(BwdProducer, BwdScores, BwdDq, BwdEpilogue):
             fields["mbar_do"] = cute.struct.MemRange[cutlass.Int64, 2 * self.num_do_stages]
         for name, layout in self.smem_layouts().items():
             fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        fields.update(self.extra_storage())
         for name, layout in self.fp32_layouts().items():
             # 16-byte aligned: the destination of a bulk copy.
             fields[name] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layout)], 128]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+    def extra_storage(self) -> dict:
+        """Storage fields a subclass adds (none here)."""
+        return {}
 
     # ------------------------------------------------------------------------------------------
     # Host side

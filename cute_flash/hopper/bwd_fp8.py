@@ -33,10 +33,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from cute_flash.device import scratch, waits, warp_mma
-from cute_flash.device.layout import acc_to_mn
+from cute_flash.device.layout import acc_to_mn, wgmma_smem_tile
 from cute_flash.device.softmax import score_scales
 from cute_flash.device.tile_scheduler import section_size, section_walk_plan
 from cute_flash.formats import E4M3_MAX
@@ -71,14 +70,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     # Layouts and MMAs
     # ------------------------------------------------------------------------------------------
     def _tile(self, rows: int, cols: int, stages: int | None, dtype=None):
-        """K-major wgmma-canonical swizzled tile of ``dtype`` (default e4m3), the columns
-        contiguous."""
-        dtype = dtype or self.dtype
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+        """K-major wgmma-canonical swizzled tile of ``dtype`` (default e4m3)."""
+        return wgmma_smem_tile(dtype or self.dtype, rows, cols, stages)
 
     def _setup(self) -> None:
         d, tm, tn, st = self.hdim, self.tile_m, self.tile_n, self.num_stages
@@ -119,16 +112,10 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 "sdQ": cute.make_layout(self.tile_m * self.hdim),
                 "sAmax": cute.make_layout(self.num_mma_threads // 32)}
 
-    def _storage(self):
-        fields = {"mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
-                  "mbar_qdo": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]}
-        for name, layout in self.smem_layouts().items():
-            fields[name] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+    def extra_storage(self) -> dict:
+        """The 16-bit dK / dV staging tile (K's and V's tiles hold 8-bit data)."""
         staging = cute.struct.MemRange[self.o_dtype, cute.cosize(self.sE_layout)]
-        fields["sE"] = cute.struct.Align[staging, 1024]
-        for name, layout in self.fp32_layouts().items():
-            fields[name] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(layout)], 128]
-        return cute.struct(type("Storage", (), {"__annotations__": fields}))
+        return {"sE": cute.struct.Align[staging, 1024]}
 
     # ------------------------------------------------------------------------------------------
     # Host side

@@ -35,7 +35,7 @@ from cute_flash import jit
 from cute_flash.device import waits, warp_mma
 from cute_flash.device.block_info import BlockInfo
 from cute_flash.device.convert import convert_pairs
-from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem
+from cute_flash.device.layout import acc_to_mn, pack_heads, transpose_smem, wgmma_smem_tile
 from cute_flash.device.mask import AttentionMask
 from cute_flash.device.mods import apply_mods, block_range
 from cute_flash.device.seqlen import SeqlenInfo
@@ -136,12 +136,7 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     def _smem(self, rows: int, cols: int, stages: int | None, dtype=None):
         """K-major wgmma-canonical swizzled tile (128/64/32-byte swizzle by row width)."""
-        dtype = dtype or self.dtype
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+        return wgmma_smem_tile(dtype or self.dtype, rows, cols, stages)
 
     def _setup(self) -> None:
         self.sQ_layout = self._smem(self.tile_m, self.hdim, None)
