@@ -140,7 +140,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     lse (H, Tq) float32.
 
     FP8 as in ``flash_attn_func``, with descales per (sequence, kv head): (B, H_kv) for the B
-    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head. ``sinks``,
+    sequences. ``fp8=True`` quantizes with one scale per sequence and kv head, differentiable as
+    in ``flash_attn_func`` (``ops_fp8.Fp8AttentionVarlen``). ``sinks``,
     ``score_mod``, ``mask_mod``, ``aux`` and ``block_mask`` as in ``flash_attn_func`` (a mod's ``b``
     is the sequence, its positions count from the sequence's start).
     """
@@ -162,7 +163,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         out, lse = ops_fp8.fp8_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                                 window_size=window_size,
-                                                descales=(q_descale, k_descale, v_descale), quantize=fp8)
+                                                descales=(q_descale, k_descale, v_descale), quantize=fp8,
+                                                deterministic=deterministic)
         return (out, lse) if return_lse else out
     if any(x is not None for x in (q_descale, k_descale, v_descale)):
         raise ValueError("q_descale / k_descale / v_descale go with e4m3 inputs")

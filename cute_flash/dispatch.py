@@ -171,15 +171,16 @@ def fp8_fwd_config(p: Problem, v_perm: bool, overrides: tuple = ()) -> jit.Kerne
 def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
     """(preprocess, main, postprocess) of the FP8 backward of problem ``p`` (``dtype``: the
     gradients'); ``overrides``: main config fields (tuning scripts)."""
-    if not fp8_bwd.fp8_bwd_covers(p.hdim, p.hdim_v, local=p.local, varlen=p.varlen):
+    if not fp8_bwd.fp8_bwd_covers(p.hdim, p.hdim_v, local=p.local):
         raise NotImplementedError(f"the FP8 backward runs head dims {fp8_bwd.FP8_BWD_HDIMS} (d_v = d) "
-                                  "without sliding windows or packed sequences")
+                                  "without sliding windows")
     return fp8_bwd.plan(p, overrides)
 
 
-def fp8_bwd_quant_configs(dtype: str, hdim: int) -> list[jit.KernelConfig]:
-    """The FP8 backward's quantize kernels: dO per row, V at its descales (natural layout)."""
-    return fp8.bwd_quant_configs(dtype, hdim)
+def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[jit.KernelConfig]:
+    """The FP8 backward's quantize kernels: dO per row, V at its descales (natural layout;
+    ``varlen``: packed, one descale per sequence)."""
+    return fp8.bwd_quant_configs(dtype, hdim, varlen)
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,
@@ -188,10 +189,12 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, var
     return fp8.quant_configs(dtype, hdim, rotate, v_perm=v_perm, varlen=varlen, v_aligned=v_aligned)
 
 
-def relayout_v_config(hdim: int, v_perm: bool, varlen: bool) -> jit.KernelConfig:
-    """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout."""
+def relayout_v_config(hdim: int, v_perm: bool, varlen: bool, aligned: bool | None = None) -> jit.KernelConfig:
+    """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout
+    (``aligned``, None = ``varlen``: packed sequences each from the start the caller gives)."""
     return fp8.QuantizeConfig(target=None, dtype="e4m3", hdim=hdim, rotate=False, transpose=True,
-                              phase="quant", v_perm=v_perm, varlen=varlen, v_aligned=varlen)
+                              phase="quant", v_perm=v_perm, varlen=varlen,
+                              v_aligned=varlen if aligned is None else aligned)
 
 
 def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, softcap: bool,

@@ -414,42 +414,72 @@ def run_fwd_fp8(q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale
 
 def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor,
                 v_descale: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
-                deterministic: bool = False, dlse: Tensor | None = None,
-                **overrides) -> tuple[Tensor, Tensor, Tensor]:
+                deterministic: bool = False, dlse: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+                cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+                max_seqlen_k: int | None = None, **overrides) -> tuple[Tensor, Tensor, Tensor]:
     """The FP8 backward on what the FP8 forward saved (e4m3 ``q8`` / ``k8`` (B, N, H, d), the
     16-bit ``v`` (B, N, H_kv, d) it quantized, the (B, H_kv) descales, ``out`` and ``lse``), with
     ``dout`` in O's dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8 (rotated
     where they are). V goes to e4m3 again at its descale, in natural layout.
     dO is quantized per (token, head) row; Q, K and dO also go token-contiguous for the GEMMs that
-    contract over tokens (fp8 wgmma reads K-major operands only)."""
-    b, nq, h, d = q8.shape
-    nk, hkv = k8.shape[1], k8.shape[2]
-    dq = torch.empty(b, nq, h, d, dtype=out.dtype, device=q8.device)
-    dk, dv = (torch.empty(b, nk, hkv, d, dtype=out.dtype, device=q8.device) for _ in range(2))
-    if b == 0 or nq == 0 or nk == 0 or h == 0:
+    contract over tokens (fp8 wgmma reads K-major operands only). Packed sequences: (T, H, d)
+    tensors, ``lse`` (H, T_q), (S, H_kv) descales and ``cu_seqlens_q`` / ``_k`` (checked)."""
+    varlen = cu_seqlens_q is not None
+    h, d, hkv = q8.shape[-2], q8.shape[-1], k8.shape[-2]
+    num_batch, rows_q, mq, mk = problem_extents(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k)
+    dq = torch.empty(q8.shape, dtype=out.dtype, device=q8.device)
+    dk, dv = (torch.empty(k8.shape, dtype=out.dtype, device=q8.device) for _ in range(2))
+    if num_batch == 0 or mq == 0 or mk == 0 or h == 0 or rows_q == 0 or k8.shape[-3] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    p = dispatch.fp8_problem(formats.dtype_name(out.dtype), d, d, causal=causal, local=False, varlen=False,
-                             seqlen_q=nq, seqlen_k=nk, heads_q=h, heads_kv=hkv, num_sms=sm_count(q8.device),
+    p = dispatch.fp8_problem(formats.dtype_name(out.dtype), d, d, causal=causal, local=False, varlen=varlen,
+                             seqlen_q=mq, seqlen_k=mk, heads_q=h, heads_kv=hkv, num_sms=sm_count(q8.device),
                              q_dense=True)
-    p = dataclasses.replace(p, deterministic=deterministic, dlse=dlse is not None, batch=b)
+    p = dataclasses.replace(p, deterministic=deterministic, dlse=dlse is not None, batch=num_batch)
     cfg, pre, main, post = _fp8_bwd_kernels(p, tuple(sorted(overrides.items())))
-    v8 = quantize_like(v, v_descale)
+    v8 = quantize_like(v, v_descale, cu_seqlens_k, mk)
     # (Autograd may hand in broadcast views, e.g. dlse of lse.sum(): all strides 0.)
     dout = _dense(dout)
     dlse = None if dlse is None else _dense(dlse.float())
-    do8, do_descale = quantize_rows(dout)
-    # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
-    q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
-    k8t = token_contiguous_copy(k8, False)
-    lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, b, nq, False)
+    lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, num_batch, rows_q, varlen)
+    # Packed dO goes through the rows phase as one batch; its descales then move to padded rows.
+    do8, do_descale = quantize_rows(dout if not varlen else dout.unsqueeze(0))
     rows_descale = torch.zeros_like(dsum)
-    rows_descale[..., :nq] = do_descale.transpose(1, 2)
+    if varlen:
+        do8, do_descale = do8.squeeze(0), do_descale.squeeze(0)
+        starts = padded_starts(cu_seqlens_q, cfg.tile_m)
+        rows_descale.index_copy_(1, padded_rows(cu_seqlens_q, starts, rows_q), do_descale.t())
+        # Q^T and dO^T each sequence from its first padded scratch row, in the kernel's query order
+        # (whole 16-token chunks: the P~ / dS A fragments need no lane exchange); K^T packed.
+        q8t, do8t = (token_contiguous_copy_varlen(t, cu_seqlens_q, mq, starts, dsum.shape[-1])
+                     for t in (q8, do8))
+        k8t = token_contiguous_copy_varlen(k8, cu_seqlens_k, mk)
+    else:
+        rows_descale[..., :rows_q] = do_descale.transpose(1, 2)
+        # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
+        q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
+        k8t = token_contiguous_copy(k8, False)
     scale = float(softmax_scale)
-    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, None, nq)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q8.contiguous(), k8.contiguous(), v8, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk, dv,
-         sem, q_descale, k_descale, v_descale, scale, -1, -1)
-    post(dq_acc, dq, None, scale, nq)
+         cu_seqlens_q, cu_seqlens_k, sem, q_descale, k_descale, v_descale, scale, -1, -1, mk)
+    post(dq_acc, dq, cu_seqlens_q, scale, mq)
     return dq, dk, dv
+
+
+def padded_starts(cu_seqlens: Tensor, tile_m: int) -> Tensor:
+    """int32 (S + 1,): sequence s's first padded scratch row (``device.scratch.padded_offset_q``:
+    (cu[s] + s tile_m) // tile_m * tile_m), the last entry one past the pack's."""
+    cu = cu_seqlens.long()
+    seq = torch.arange(cu.shape[0], device=cu.device)
+    return ((cu + seq * tile_m) // tile_m * tile_m).to(torch.int32)
+
+
+def padded_rows(cu_seqlens: Tensor, starts: Tensor, total: int) -> Tensor:
+    """The padded scratch row of each of the ``total`` packed tokens (no host sync)."""
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+    return tokens - cu_seqlens.long()[seq] + starts.long()[seq]
 
 
 @functools.lru_cache(maxsize=512)
@@ -482,17 +512,27 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), descale.squeeze(-1)
 
 
-def quantize_like(x: Tensor, descale: Tensor) -> Tensor:
+def quantize_like(x: Tensor, descale: Tensor, cu_seqlens: Tensor | None = None,
+                  max_seqlen: int = 0) -> Tensor:
     """x (B, N, H_kv, d) in e4m3 at the forward's (B, H_kv) descales, natural layout (the dP GEMM
-    reads V with the head dim contiguous): the quantize kernel on sm90, elsewhere PyTorch."""
+    reads V with the head dim contiguous); packed x (T, H_kv, d) with ``cu_seqlens`` at (S, H_kv)
+    descales. The quantize kernel on sm90, elsewhere PyTorch."""
+    varlen = cu_seqlens is not None
     if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
         x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
-        quant = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1])[1]
+        quant = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1], varlen)[1]
         amax = (descale * E4M3_MAX).contiguous()
-        jit.compile_kernel(quant)(x, _signs(x.shape[-1], 0, x.device), amax, x8, None, 0, None)
+        if x.shape[0] and (not varlen or max_seqlen):
+            jit.compile_kernel(quant)(x, _signs(x.shape[-1], 0, x.device), amax, x8, cu_seqlens, max_seqlen,
+                                      None)
         return x8
     inv = 1.0 / descale.clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.mul(x, inv[:, None, :, None])
+    if varlen:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        inv = inv.repeat_interleave(lengths, dim=0, output_size=x.shape[0])[:, :, None]
+    else:
+        inv = inv[:, None, :, None]
+    codes = torch.mul(x, inv)
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
@@ -503,6 +543,27 @@ def token_contiguous_copy(x8: Tensor, perm: bool) -> Tensor:
     storage (padding zeros) as the view: ``relayout_v``'s kernel."""
     store = relayout_v(x8, v_perm=perm)
     return (store if perm else store[..., :x8.shape[1]]).permute(0, 3, 1, 2)
+
+
+def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                                 starts: Tensor | None = None, total: int = 0) -> Tensor:
+    """A packed e4m3 (T, H, d) tensor token-contiguous, as a (T', H, d) view over (H, d, T') storage:
+    with ``starts`` (int32, a 16-aligned start per sequence) sequence s from ``starts[s]`` on, each
+    16 tokens in ``formats.V_PERM16`` order, T' = ``total`` and the gaps zeros; else the packed order
+    (T' = T, storage padded to 16). ``relayout_v``'s kernel on packed input."""
+    t, h, d = x8.shape
+    if starts is None:
+        store = torch.empty(h, d, (t + 15) // 16 * 16, device=x8.device, dtype=x8.dtype)
+        cfg = dispatch.relayout_v_config(d, v_perm=False, varlen=True, aligned=False)
+    else:
+        store = torch.zeros(h, d, total, device=x8.device, dtype=x8.dtype)
+        cfg = dispatch.relayout_v_config(d, v_perm=True, varlen=True, aligned=True)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if num_seqs and max_seqlen and t:
+        unit = torch.full((num_seqs, h), E4M3_MAX, device=x8.device, dtype=torch.float32)
+        jit.compile_kernel(cfg)(x8.contiguous(), _signs(d, 0, x8.device), unit, store, cu_seqlens, max_seqlen,
+                                starts)
+    return (store if starts is not None else store[..., :t]).permute(2, 0, 1)
 
 
 _UNROTATE: dict[tuple, Tensor] = {}

@@ -301,14 +301,21 @@ def _(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse, dlse, softmax_
 def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None, causal: bool,
                          window_size: tuple[int, int], descales: tuple[Tensor | None, ...], quantize: bool,
-                         seed: int = 0) -> tuple[Tensor, Tensor]:
+                         seed: int = 0, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """``fp8_attention`` on packed sequences (``flash_attn_varlen_func``): descales per (sequence,
-    kv head), (num_seqs, H_kv)."""
+    kv head), (num_seqs, H_kv); differentiable with ``quantize`` (``Fp8AttentionVarlen``)."""
     if quantize:
-        validate.check_fp8_quantize_request(q, k, v, descales, varlen=True)
+        validate.check_fp8_quantize_request(q, k, v, descales)
         validate.check_fp8_heads_varlen(q, k, v)
         validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                   max_seqlen_k, check_data=False)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            validate.check_fp8_bwd(q, k, v, window_size)
+            scale = default_scale(softmax_scale, q.shape[-1])
+            return Fp8AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                            int(max_seqlen_k), float(scale), bool(causal),
+                                            int(window_size[0]), int(window_size[1]), int(seed),
+                                            bool(deterministic))
         out_dtype = q.dtype
         # V straight into the kernel's layout (each sequence 16-aligned): no re-layout after.
         # (The e4m3 tensors are ours, built from inputs checked above.)
@@ -327,3 +334,69 @@ def fp8_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
                                                int(max_seqlen_k), *ds, float(scale), bool(causal),
                                                int(window_size[0]), int(window_size[1]), out_dtype,
                                                bool(quantize))
+
+
+class Fp8AttentionVarlen(torch.autograd.Function):
+    """``Fp8Attention`` on packed sequences: the descales per (sequence, kv head), the backward
+    ``cute_flash::varlen_bwd_fp8``."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+                window_right: int, seed: int, deterministic: bool) -> tuple[Tensor, Tensor]:
+        q8, k8, v8, *ds = torch.ops.cute_flash.quantize_qkv_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                    max_seqlen_q, max_seqlen_k, True, seed,
+                                                                    True)
+        out, lse = torch.ops.cute_flash.varlen_fwd_fp8(q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                       max_seqlen_k, *ds, scale, causal, window_left,
+                                                       window_right, q.dtype, True)
+        ctx.save_for_backward(q8, k8, v, cu_seqlens_q, cu_seqlens_k, *ds, out, lse)
+        ctx.args = (max_seqlen_q, max_seqlen_k, scale, causal, seed, deterministic)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q8, k8, v, cu_q, cu_k, qd, kd, vd, out, lse = ctx.saved_tensors
+        max_q, max_k, scale, causal, seed, deterministic = ctx.args
+        if dout is None and dlse is None:
+            return (None,) * 13
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.cute_flash.varlen_bwd_fp8(dout, q8, k8, v, cu_q, cu_k, max_q, max_k, qd, kd,
+                                                         vd, out, lse, dlse, scale, causal, seed,
+                                                         deterministic)
+        return (dq, dk, dv) + (None,) * 10
+
+
+@torch.library.custom_op("cute_flash::varlen_bwd_fp8", mutates_args=(), device_types="cpu")
+def varlen_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                   cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, q_descale: Tensor,
+                   k_descale: Tensor, v_descale: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+                   softmax_scale: float, causal: bool, seed: int, deterministic: bool
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """``bwd_fp8`` on packed sequences: (T, H, d) tensors, (S, H_kv) descales, lse / dlse (H, T_q)."""
+    _check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    v8 = launch.quantize_like(v, v_descale, cu_seqlens_k, max_seqlen_k)
+    grads = reference_fp8_bwd.fp8_bwd_from_saved_varlen(dout, q8, k8, v8, cu_seqlens_q, cu_seqlens_k,
+                                                        q_descale, k_descale, v_descale, out, lse, dlse,
+                                                        softmax_scale=softmax_scale, causal=causal, seed=seed)
+    return tuple(g.to(dout.dtype).contiguous() for g in grads)
+
+
+@varlen_bwd_fp8.register_kernel("cuda")
+def _(dout, q8, k8, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale,
+      v_descale, out, lse, dlse, softmax_scale, causal, seed, deterministic):
+    _check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
+                                    softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                                    dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return launch.unrotate(dq, seed), launch.unrotate(dk, seed), dv
+
+
+@varlen_bwd_fp8.register_fake
+def _(dout, q8, k8, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale,
+      v_descale, out, lse, dlse, softmax_scale, causal, seed, deterministic):
+    return torch.empty_like(dout), *(dout.new_empty(k8.shape) for _ in range(2))

@@ -158,6 +158,31 @@ def fp8_bwd_from_saved(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v
                              float(softmax_scale), causal)
 
 
+def fp8_bwd_from_saved_varlen(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, q_descale: torch.Tensor,
+                              k_descale: torch.Tensor, v_descale: torch.Tensor, out: torch.Tensor,
+                              lse: torch.Tensor, dlse: torch.Tensor | None = None, *, softmax_scale: float,
+                              causal: bool, seed: int, recipe: Fp8BwdRecipe = KERNEL_RECIPE
+                              ) -> tuple[torch.Tensor, ...]:
+    """``fp8_bwd_from_saved`` on packed sequences, one sequence at a time: q8 / dout / out (T_q, H,
+    d), k8 / v8 (T_k, H_kv, d), (S, H_kv) descales, lse / dlse (H, T_q). Gradients packed, fp32."""
+    dq = torch.zeros(q8.shape, dtype=torch.float32, device=q8.device)
+    dk, dv = (torch.zeros(k8.shape, dtype=torch.float32, device=q8.device) for _ in range(2))
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
+        if q1 == q0 or k1 == k0:
+            continue  # no query or no key: every gradient of the sequence is 0
+        grads = fp8_bwd_from_saved(
+            dout[None, q0:q1], q8[None, q0:q1], k8[None, k0:k1], v8[None, k0:k1], q_descale[s:s + 1],
+            k_descale[s:s + 1], v_descale[s:s + 1], out[None, q0:q1], lse[None, :, q0:q1],
+            None if dlse is None else dlse[None, :, q0:q1], softmax_scale=softmax_scale, causal=causal,
+            seed=seed, recipe=recipe)
+        for full, part, (a, b) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
+            full[a:b] = part[0]
+    return dq, dk, dv
+
+
 def _grads_from_saved(qs, ks, vs, out, lse, dout, dlse, v, recipe: Fp8BwdRecipe, scale: float,
                       causal: bool) -> tuple[torch.Tensor, ...]:
     """The recipe's tile loop on the saved tensors (fp32 (B, N, H, d), lse (B, H, Nq)); ``v``: the

@@ -489,15 +489,12 @@ def check_fp8_varlen_inputs(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor
 
 
 def check_fp8_quantize_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               descales: Sequence[torch.Tensor | None], varlen: bool = False) -> None:
-    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout;
-    the FP8 backward does not cover packed sequences)."""
+                               descales: Sequence[torch.Tensor | None]) -> None:
+    """``fp8=True``: what quantizing needs of the 16-bit inputs (shapes are checked per layout)."""
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"fp8=True quantizes bf16 / fp16 inputs, got {q.dtype}")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise TypeError("q, k, v must share a dtype")
-    if varlen and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("fp8=True with packed sequences is forward-only: the inputs must not require grad")
     if any(x is not None for x in descales):
         raise ValueError("fp8=True computes the descales itself; pass e4m3 inputs to give your own")
 

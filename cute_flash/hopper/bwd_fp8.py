@@ -52,8 +52,10 @@ P_HEADROOM = 1.125
 
 
 def transposed_view(t: cute.Tensor) -> cute.Tensor:
-    """(N, d, H, B) with the tokens contiguous -> (d, N, H, B): TMA boxes of (d, tile)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2, 3]))
+    """(N, d, H, B) with the tokens contiguous -> (d, N, H, B) (packed: (T, d, H) -> (d, T, H)):
+    TMA boxes of (d, tile)."""
+    mode = [1, 0, 2, 3] if cutlass.const_expr(cute.rank(t.layout) == 4) else [1, 0, 2]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=mode))
 
 
 class FlashBwdSm90Fp8(FlashBwdSm90):
@@ -124,12 +126,16 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mQt: cute.Tensor, mKt: cute.Tensor, mdOt: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mDOs: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mSemaphore: cute.Tensor | None, mQd: cute.Tensor, mKd: cute.Tensor,
-                 mVd: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32,
+                 mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 mSemaphore: cute.Tensor | None, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: Float32, window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  stream):
         """e4m3 Q, K, V, dO (B, N, H, d) and Q^T, K^T, dO^T (the same shapes over token-contiguous
         storage); the fp32 scratch rows of LSE2, D and dO's row descales (the preprocess's padded
-        layout), the dQ accumulator, bf16 / fp16 dK, dV; the forward's (B, H_kv) descales."""
+        layout), the dQ accumulator, bf16 / fp16 dK, dV; the forward's (B, H_kv) descales.
+        Packed sequences: (T, H, d) tensors with int32 ``cu_seqlens`` (S + 1,), (S, H_kv) descales;
+        Q^T and dO^T then hold each sequence from its first padded scratch row on
+        (``scratch.padded_offset_q``), K^T the packed order."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -147,8 +153,9 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         tma_K, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, self.sK_layout, (tn, d))
         tma_Kt, mKt_tma = cpasync.make_tiled_tma_atom(g2s, mKt, self.sKt_layout, (d, tn))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (tn, d))
+        num_batch, seqlen_k = warp_mma.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
         heads = mK.shape[2]
-        grid = (cute.ceil_div(mK.shape[0], tn), heads, mK.shape[3])
+        grid = (cute.ceil_div(seqlen_k, tn), heads, num_batch)
         score_scale, scale_log2 = score_scales(softmax_scale, Float32(0.0), False, False)
         scales = (softmax_scale, score_scale, scale_log2)
         qhead_per_kv = mQ.shape[2] // heads
@@ -158,7 +165,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
             walk = section_walk_plan(grid[0], heads, group, self.cfg.lpt_balanced,
                                      divisor=cute.fast_divmod_create_divisor_v2)
         tensors = (mQ_tma, mK_tma, mV_tma, mdO_tma, mQt_tma, mKt_tma, mdOt_tma, mLSE2, mD, mDOs, mdQaccum,
-                   mdK, mdV, mSemaphore, mQd, mKd, mVd)
+                   mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSemaphore, mQd, mKd, mVd)
         atoms = (tma_Q, tma_K, tma_V, tma_dO, tma_Qt, tma_Kt, tma_dOt)
         self.kernel(tensors, atoms, scales, walk, qhead_per_kv, window_left, window_right, Storage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(), stream=stream,
@@ -171,8 +178,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     def kernel(self, tensors: tuple, atoms: tuple, scales: tuple, walk: tuple, qhead_per_kv: Int32,
                window_left: Int32, window_right: Int32, Storage: cutlass.Constexpr):
         self._setup()
-        (mQ, mK, mV, mdO, mQt, mKt, mdOt, mLSE2, mD, mDOs, mdQaccum, mdK, mdV, mSemaphore, mQd, mKd,
-         mVd) = tensors
+        (mQ, mK, mV, mdO, mQt, mKt, mdOt, mLSE2, mD, mDOs, mdQaccum, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
+         mSemaphore, mQd, mKd, mVd) = tensors
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in atoms:
@@ -195,7 +202,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                              for name, layout in self.fp32_layouts().items()})
         smem.sE = storage.sE.get_tensor(self.sE_layout.outer, swizzle=self.sE_layout.inner)
         smem.sdS_raw = storage.sdS.data_ptr()
-        args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=None, mCuSeqlensK=None, mSemaphore=mSemaphore,
+        args = warp_mma.Ctx(mQ=mQ, mK=mK, mdK=mdK, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+                            mSemaphore=mSemaphore,
                             window_left=window_left, window_right=window_right, qhead_per_kv=qhead_per_kv,
                             aux=(), aux_grads=(), mBlocks=None)
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -229,15 +237,19 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     def load_fp8(self, L, smem, pipe_kv, pipe_qdo, seqlen, work):
         """K, K^T, V once; then per (query head, query block) in the consumers' order Q, Q^T, dO,
         dO^T (TMA) and the LSE2 / D / dO-descale rows (bulk copies), one barrier per stage."""
-        tma_Q, tma_K, tma_V, tma_dO, tma_Qt, tma_Kt, tma_dOt = L.atoms
+        _, tma_K, tma_V, _, _, tma_Kt, _ = L.atoms
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         waits.acquire_empty(pipe_kv, kv_state, self.spin_waits)
         bar = pipe_kv.producer_get_barrier(kv_state)
-        d, tn, tm = self.hdim, self.tile_n, self.tile_m
-        for mT, tma, sT, box, coord in ((L.mK, tma_K, smem.sK, (tn, d), (work.n_block, 0)),
-                                        (L.mKt, tma_Kt, smem.sKt, (d, tn), (0, work.n_block)),
-                                        (L.mV, tma_V, smem.sV, (tn, d), (work.n_block, 0))):
-            self.tma_tile(tma, mT[None, None, work.kv_head, work.batch], sT, box, coord, bar, None)
+        d, tn = self.hdim, self.tile_n
+        head_kv, batch = work.kv_head, work.batch
+        for mT, tma, sT, box, coord in ((seqlen.k_rows(L.mK, head_kv, batch), tma_K, smem.sK, (tn, d),
+                                         (work.n_block, 0)),
+                                        (self.kt_rows(L.mKt, seqlen, head_kv, batch), tma_Kt, smem.sKt,
+                                         (d, tn), (0, work.n_block)),
+                                        (seqlen.k_rows(L.mV, head_kv, batch), tma_V, smem.sV, (tn, d),
+                                         (work.n_block, 0))):
+            self.tma_tile(tma, mT, sT, box, coord, bar, None)
         self.wait_for_preprocess()
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -245,18 +257,43 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         for it in cutlass.range(total, unroll=1):
             head, m_block = self.work_item(work, it)
             waits.acquire_empty(pipe_qdo, state, self.spin_waits)
-            bar = pipe_qdo.producer_get_barrier(state)
-            for mT, tma, sT, box, coord in ((L.mQ, tma_Q, smem.sQ, (tm, d), (m_block, 0)),
-                                            (L.mQt, tma_Qt, smem.sQt, (d, tm), (0, m_block)),
-                                            (L.mdO, tma_dO, smem.sdO, (tm, d), (m_block, 0)),
-                                            (L.mdOt, tma_dOt, smem.sdOt, (d, tm), (0, m_block))):
-                self.tma_tile(tma, mT[None, None, head, work.batch], sT, box, coord, bar, state.index)
-            with cute.arch.elect_one():
-                for mT, sT in ((L.mLSE2, smem.sLSE2), (L.mD, smem.sDsum), (L.mDOs, smem.sDOs)):
-                    rows = scratch.scratch_rows(mT, seqlen, head, work.batch, tm)
-                    cute.copy(bulk, cute.local_tile(rows, (tm,), (m_block,)), sT[None, state.index],
-                              mbar_ptr=bar)
+            self.load_qdo(L, smem, seqlen, head, batch, m_block, pipe_qdo.producer_get_barrier(state),
+                          state.index, bulk)
             state.advance()
+
+    def load_qdo(self, L, smem, seqlen, head: Int32, batch: Int32, m_block: Int32, bar, stage: Int32,
+                 bulk) -> None:
+        """One Q/dO stage: Q, Q^T, dO, dO^T of (head, m_block) by TMA and its LSE2 / D /
+        dO-descale rows by bulk copies, all counted on ``bar``. (A plain call: the views it
+        builds are not loop-carried values of the producer's loop.)"""
+        tma_Q, _, _, tma_dO, tma_Qt, _, tma_dOt = L.atoms
+        d, tm = self.hdim, self.tile_m
+        for mT, tma, sT, box, coord in (
+                (seqlen.q_rows(L.mQ, head, batch), tma_Q, smem.sQ, (tm, d), (m_block, 0)),
+                (self.qt_rows(L.mQt, seqlen, head, batch), tma_Qt, smem.sQt, (d, tm), (0, m_block)),
+                (seqlen.q_rows(L.mdO, head, batch), tma_dO, smem.sdO, (tm, d), (m_block, 0)),
+                (self.qt_rows(L.mdOt, seqlen, head, batch), tma_dOt, smem.sdOt, (d, tm), (0, m_block))):
+            self.tma_tile(tma, mT, sT, box, coord, bar, stage)
+        with cute.arch.elect_one():
+            for mT, sT in ((L.mLSE2, smem.sLSE2), (L.mD, smem.sDsum), (L.mDOs, smem.sDOs)):
+                rows = scratch.scratch_rows(mT, seqlen, head, batch, tm)
+                cute.copy(bulk, cute.local_tile(rows, (tm,), (m_block,)), sT[None, stage], mbar_ptr=bar)
+
+    def qt_rows(self, mT: cute.Tensor, seqlen, head: Int32, batch: Int32) -> cute.Tensor:
+        """(d, tokens) view of Q^T / dO^T for one head: packed, from the sequence's first padded
+        scratch row (where the launcher's copy starts it, so each 16 queries of a block keep the
+        kernel's order)."""
+        if cutlass.const_expr(seqlen.varlen_q):
+            return cute.domain_offset((0, scratch.padded_offset_q(seqlen, batch, self.tile_m)),
+                                      mT[None, None, head])
+        return mT[None, None, head, batch]
+
+    @staticmethod
+    def kt_rows(mT: cute.Tensor, seqlen, head: Int32, batch: Int32) -> cute.Tensor:
+        """(d, keys) view of K^T for one kv head (packed: from the sequence's first key)."""
+        if cutlass.const_expr(seqlen.varlen_k):
+            return cute.domain_offset((0, seqlen.offset_k), mT[None, None, head])
+        return mT[None, None, head, batch]
 
     @staticmethod
     def tma_tile(tma, mT: cute.Tensor, sT: cute.Tensor, box: tuple, coord: tuple, bar, stage) -> None:

@@ -34,9 +34,8 @@ class BwdSm90Fp8Config(BwdSm90Config):
     def __post_init__(self) -> None:
         if self.hdim not in FP8_BWD_HDIMS or self.hdim_v not in (0, self.hdim):
             raise ValueError(f"FP8 backward: head dims {FP8_BWD_HDIMS} with d_v = d")
-        if self.softcap or self.mods is not None or self.local or self.varlen or self.split_heads:
-            raise ValueError("FP8 backward: no softcap, mods, sliding window, packed sequences or split "
-                             "head groups")
+        if self.softcap or self.mods is not None or self.local or self.split_heads:
+            raise ValueError("FP8 backward: no softcap, mods, sliding window or split head groups")
         for name, value in _FIXED.items():
             if getattr(self, name) not in (None, 0, value):
                 raise ValueError(f"FP8 backward: {name} must be {value}")
@@ -64,36 +63,52 @@ class BwdSm90Fp8Config(BwdSm90Config):
         return FlashBwdSm90Fp8(self)
 
     def fake_args(self) -> tuple:
-        """(q8, k8, v8, do8, q8t, k8t, do8t, lse2, d, do_descale, dq_accum, dk, dv, semaphores,
-        q_descale, k_descale, v_descale, softmax_scale, window_left, window_right, stream)."""
+        """(q8, k8, v8, do8, q8t, k8t, do8t, lse2, d, do_descale, dq_accum, dk, dv, cu_q, cu_k,
+        semaphores, q_descale, k_descale, v_descale, softmax_scale, window_left, window_right,
+        max_seqlen_k, stream)."""
         f8, out = cutlass.Float8E4M3FN, jit.DTYPES[self.dtype]
-        b, nq, nk, h, hkv, d = jit.sym(), jit.sym(), jit.sym(), jit.sym(), jit.sym(), self.hdim
-        q, do = (jit.fake_tensor(f8, (b, nq, h, d), divisibility=16) for _ in range(2))
-        k, v = (jit.fake_tensor(f8, (b, nk, hkv, d), divisibility=16) for _ in range(2))
-        # Token-contiguous copies ((B, H, d, N_pad) storage, N_pad a multiple of 16 for TMA).
-        # (Q^T and dO^T in the kernel's query order: the whole N_pad storage, its own extent.)
-        nqt = jit.sym()
-        qt, dot = (jit.fake_tensor(f8, (b, nqt, h, d), leading_dim=1, divisibility=16) for _ in range(2))
-        kt = jit.fake_tensor(f8, (b, nk, hkv, d), leading_dim=1, divisibility=16)
-        lse2, dsum, dq_acc, sem = signatures.scratch_fakes(False, h, b, self.deterministic)
-        do_descale = jit.fake_tensor(cutlass.Float32, (b, h, jit.sym()), divisibility=4)
-        dk, dv = (jit.fake_tensor(out, (b, nk, hkv, d), divisibility=jit.vec_div(out)) for _ in range(2))
-        descales = [jit.fake_tensor(cutlass.Float32, (b, hkv)) for _ in range(3)]
-        scalars = (cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1))
-        return (q, k, v, do, qt, kt, dot, lse2, dsum, do_descale, dq_acc, dk, dv, sem, *descales, *scalars,
-                jit.fake_stream())
+        h, hkv, d = jit.sym(), jit.sym(), self.hdim
+        if self.varlen:
+            tq, tk, s1 = jit.sym(), jit.sym(), jit.sym()
+            b = None
+            q_shape, k_shape = (tq, h, d), (tk, hkv, d)
+            # Q^T / dO^T over (H, d, T_pad) storage in padded scratch rows; K^T over (H_kv, d, T_k_pad).
+            qt_shape, lead = (jit.sym(), h, d), 0
+            cu = [jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0) for _ in range(2)]
+            descale_shape = (jit.sym(), hkv)
+            rows_shape = (h, jit.sym())
+        else:
+            b, nq, nk = jit.sym(), jit.sym(), jit.sym()
+            q_shape, k_shape = (b, nq, h, d), (b, nk, hkv, d)
+            # Token-contiguous copies ((B, H, d, N_pad) storage, N_pad a multiple of 16 for TMA).
+            # (Q^T and dO^T in the kernel's query order: the whole N_pad storage, its own extent.)
+            qt_shape, lead = (b, jit.sym(), h, d), 1
+            cu = [None, None]
+            descale_shape = (b, hkv)
+            rows_shape = (b, h, jit.sym())
+        q, do = (jit.fake_tensor(f8, q_shape, divisibility=16) for _ in range(2))
+        k, v = (jit.fake_tensor(f8, k_shape, divisibility=16) for _ in range(2))
+        qt, dot = (jit.fake_tensor(f8, qt_shape, leading_dim=lead, divisibility=16) for _ in range(2))
+        kt = jit.fake_tensor(f8, k_shape, leading_dim=lead, divisibility=16)
+        lse2, dsum, dq_acc, sem = signatures.scratch_fakes(self.varlen, h, b, self.deterministic)
+        do_descale = jit.fake_tensor(cutlass.Float32, rows_shape, divisibility=4)
+        dk, dv = (jit.fake_tensor(out, k_shape, divisibility=jit.vec_div(out)) for _ in range(2))
+        descales = [jit.fake_tensor(cutlass.Float32, descale_shape) for _ in range(3)]
+        scalars = (cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1), cutlass.Int32(0))
+        return (q, k, v, do, qt, kt, dot, lse2, dsum, do_descale, dq_acc, dk, dv, *cu, sem, *descales,
+                *scalars, jit.fake_stream())
 
 
-def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool, varlen: bool) -> bool:
+def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool) -> bool:
     """Whether the FP8 backward runs this problem."""
-    return hdim in FP8_BWD_HDIMS and hdim_v == hdim and not local and not varlen
+    return hdim in FP8_BWD_HDIMS and hdim_v == hdim and not local
 
 
 def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
     """(preprocess, main, postprocess) of one FP8 backward problem: the longest-first walk over
     even sections where full ones leave a short last one, as the 16-bit backward's plan."""
     fixed = dict(overrides)
-    cfg = BwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, causal=p.causal,
+    cfg = BwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, causal=p.causal, varlen=p.varlen,
                            deterministic=p.deterministic, **fixed)
     if (p.extents_known and cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
             and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):

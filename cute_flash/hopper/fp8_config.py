@@ -202,7 +202,8 @@ class QuantizeConfig(jit.KernelConfig):
     # Packed (T, H, d) input with cu_seqlens; scales per (sequence, kv head).
     varlen: bool = False
     # Varlen V: each sequence written from its own 16-aligned start (``formats.varlen_v_offsets``,
-    # the varlen FP8 kernel's V layout) instead of at its cu_seqlens offset.
+    # the varlen FP8 kernel's V layout, or the FP8 backward's padded Q^T / dO^T rows) instead of at
+    # its cu_seqlens offset.
     v_aligned: bool = False
     # Lanes per row (``hopper.quant``): 32, or 4 / 8 / 16 for Q and K -- a warp then rotates 32 / L
     # rows at once with fewer shuffle rounds. Needs ``rows`` a multiple of 16 * 32 / L.
@@ -234,9 +235,9 @@ class QuantizeConfig(jit.KernelConfig):
         if self.rows % (16 * 32 // self.lanes_per_row):
             raise ValueError(f"quantize: rows must be a multiple of {16 * 32 // self.lanes_per_row} "
                              f"with {self.lanes_per_row} lanes per row")
-        if self.v_perm and self.varlen:
+        if self.v_perm and self.varlen and not self.v_aligned:
             # The kernel order permutes each 16-token chunk, and packed chunks straddle sequences.
-            raise ValueError("quantize: v_perm is not supported with varlen (packed) inputs")
+            raise ValueError("quantize: v_perm with varlen (packed) inputs needs v_aligned")
 
     def build(self):
         from cute_flash.hopper.quant import QuantizeSm90
@@ -298,12 +299,14 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 
-def bwd_quant_configs(dtype: str, hdim: int) -> list[QuantizeConfig]:
-    """The FP8 backward's quantize kernels: dO with one scale per row (the rows phase), and V again
-    at the forward's descales in natural layout (the quant phase, unrotated)."""
+def bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[QuantizeConfig]:
+    """The FP8 backward's quantize kernels: dO with one scale per row (the rows phase; packed dO
+    goes through it as one batch), and V again at the forward's descales in natural layout (the
+    quant phase, unrotated; ``varlen``: packed V, per-sequence descales)."""
     lanes = qk_lanes_per_row(hdim)
     fields = {} if lanes == 32 else dict(lanes_per_row=lanes, rows=max(64, 16 * 32 // lanes))
-    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase=phase, **fields)
+    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase=phase,
+                           varlen=varlen and phase == "quant", **fields)
             for phase in ("rows", "quant")]
 
 

@@ -338,7 +338,8 @@ class QuantizeSm90:
     @cute.jit
     def quant_rows_transposed_packed(self, mX, mOut, amax_ptr, at: tuple, seqlen: Int32,
                                      n_block: Int32, tidx: Int32):
-        """Packed V into mOut (T_pad, d, H_kv), natural token order. This CTA owns the tokens
+        """Packed V into mOut (T_pad, d, H_kv), natural token order (``v_perm``, which needs
+        ``v_aligned``: the kernel's order within each sequence). This CTA owns the tokens
         [lo, hi) of the pack; its smem tile holds the 16-aligned chunks around them (row i =
         token base + i, zeros outside [lo, hi)). Sequences start anywhere, so a chunk may be
         shared with a neighbouring CTA -- of this sequence, or of the next with another scale:
@@ -381,7 +382,9 @@ class QuantizeSm90:
                 if t0 >= lo and t0 + 16 <= end:
                     vals = cute.make_rmem_tensor(16, cutlass.Float8E4M3FN)
                     for j in cutlass.range_constexpr(16):
-                        vals[j] = sT[chunk * 16 + j, col]
+                        # (``v_perm`` needs ``v_aligned``: then chunks count from the sequence's start.)
+                        src = V_PERM16[j] if cutlass.const_expr(self.v_perm) else j
+                        vals[j] = sT[chunk * 16 + src, col]
                     cute.autovec_copy(vals, cute.local_tile(mOut[None, col, head], (16,), (t0 // 16,)))
                 else:
                     for j in cutlass.range_constexpr(16):
