@@ -180,8 +180,8 @@ def attention_fp8_varlen_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tenso
     lse = torch.full((q8.shape[1], q8.shape[0]), float("-inf"), device=q8.device)
     for s in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
-        if q1 == q0:
-            continue
+        if q1 == q0 or k1 == k0:
+            continue  # (no key: O = 0, LSE = -inf, as initialised)
         o, l_ = attention_fp8_ref(q8[None, q0:q1], k8[None, k0:k1], v8[None, k0:k1], q_descale[s:s + 1],
                                   k_descale[s:s + 1], v_descale[s:s + 1], **kwargs)
         out[q0:q1], lse[:, q0:q1] = o[0], l_[0]

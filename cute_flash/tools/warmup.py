@@ -121,8 +121,8 @@ def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[in
               local: bool) -> list[jit.KernelConfig]:
     """The ``fp8=True`` path's kernels: quantize Q / K (rotated) and V, then the e4m3 forward, whose
     plan reads the extents (the token totals of a pack); with ``backward`` where the FP8 backward
-    covers the spec (dense, no window, d in ``FP8_BWD_HDIMS``), its quantize / re-layout kernels
-    and its (pre, main, post) per length."""
+    covers the spec (no window, d in ``FP8_BWD_HDIMS``), its quantize / re-layout kernels and its
+    (pre, main, post) per length."""
     if not dispatch.is_hopper(arch):
         raise ValueError(f"the FP8 kernels are Hopper kernels (sm_90a), not {arch}")
     if spec.softcap or spec.hdim_v not in (None, spec.hdim):
@@ -130,10 +130,12 @@ def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[in
     packed = spec.varlen
     out: dict[jit.KernelConfig, None] = dict.fromkeys(dispatch.quant_configs(
         spec.dtype, spec.hdim, rotate=True, v_perm=not packed, varlen=packed, v_aligned=packed))
-    backward = spec.backward and not packed and not local and spec.hdim in FP8_BWD_HDIMS
+    backward = spec.backward and not local and spec.hdim in FP8_BWD_HDIMS
     if backward:
-        out.update(dict.fromkeys(dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim)))
-        out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=False)
+        out.update(dict.fromkeys(dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed)))
+        # Q^T / dO^T in the kernel's order, K^T in the natural one (packed: from padded starts).
+        out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed,
+                                                            aligned=packed and perm)
                                  for perm in (False, True)))
     for nq, nk in pairs:
         p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local, varlen=packed,

@@ -6,12 +6,14 @@ host-side pieces (dO's row quantization, the rotation undone) do what they claim
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 
 import pytest
 import torch
 
-from cute_flash import flash_attn_func, jit, launch
+from cute_flash import flash_attn_func, flash_attn_varlen_func, jit, launch
 from cute_flash.formats import E4M3_MAX
 from cute_flash.hopper.bwd_fp8_config import BwdSm90Fp8Config, plan
 from cute_flash.problem import Problem
@@ -23,9 +25,12 @@ FAST = BwdSm90Fp8Config(target="sm_90a", hdim=128, causal=True)
 
 
 @pytest.mark.parametrize("cfg", [pytest.param(c, marks=() if c == FAST else pytest.mark.slow,
-                                              id=f"d{c.hdim}-{'causal' if c.causal else 'full'}")
+                                              id=f"d{c.hdim}-{'causal' if c.causal else 'full'}"
+                                                 f"{'-varlen' if c.varlen else ''}")
                                  for c in (FAST, *(BwdSm90Fp8Config(target="sm_90a", hdim=d, causal=c)
-                                                   for d, c in ((128, False), (64, False), (64, True))))])
+                                                   for d, c in ((128, False), (64, False), (64, True))),
+                                           *(BwdSm90Fp8Config(target="sm_90a", hdim=d, causal=c, varlen=True)
+                                             for d, c in ((128, True), (64, False))))])
 def test_fp8_backward_compiles_to_e4m3_wgmma(cfg: BwdSm90Fp8Config) -> None:
     ptx, cubin = jit.compile_artifacts(cfg)
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k(\d+)\.f32\.(\w+)\.(\w+)", ptx)
@@ -46,7 +51,7 @@ def test_fp8_backward_compiles_to_e4m3_wgmma(cfg: BwdSm90Fp8Config) -> None:
 
 
 def test_fp8_backward_config_refuses_what_the_kernel_does_not_build() -> None:
-    for bad in (dict(hdim=256), dict(hdim=128, local=True), dict(hdim=128, varlen=True),
+    for bad in (dict(hdim=256), dict(hdim=128, local=True), dict(hdim=128, varlen=True, split_heads=True),
                 dict(hdim=128, softcap=True), dict(hdim=128, tile_m=80), dict(hdim=128, split_loads=True),
                 dict(hdim=128, hdim_v=64)):
         with pytest.raises(ValueError):
@@ -152,3 +157,73 @@ def test_fp8_true_backward_takes_broadcast_gradients_on_cpu() -> None:
     out, lse = flash_attn_func(q, k, v, causal=True, fp8=True, return_lse=True)
     (out.float().sum() + lse.sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def _packed(lens_q: list[int], lens_k: list[int], h: int = 4, hkv: int = 2, d: int = 64):
+    torch.manual_seed(sum(lens_q))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), h, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), hkv, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_true_varlen_backward_is_each_sequence_alone_on_cpu(causal: bool) -> None:
+    """Packed sequences (one with no queries, one with no keys) through ``varlen_bwd_fp8``'s
+    reference: each sequence's gradients are those of the dense path on it alone (the same
+    scales, one per sequence and kv head); an empty side leaves zeros."""
+    lens_q, lens_k = [37, 0, 70, 16, 5], [50, 5, 70, 20, 0]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 70, 70, causal=causal, fp8=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for s in range(len(lens_q)):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2].tolist(), cu_k[s:s + 2].tolist()
+        if q1 == q0 or k1 == k0:
+            assert not grads[0][q0:q1].any() and not grads[1][k0:k1].any() and not grads[2][k0:k1].any()
+            continue
+        parts = [t[a:b][None].detach().requires_grad_() for t, (a, b) in ((q, (q0, q1)), (k, (k0, k1)),
+                                                                           (v, (k0, k1)))]
+        alone = torch.autograd.grad(flash_attn_func(*parts, causal=causal, fp8=True), parts,
+                                    dout[None, q0:q1])
+        for g, a, (lo, hi) in zip(grads, alone, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
+            assert torch.equal(g[lo:hi], a[0])
+
+
+def test_padded_rows_follow_the_scratch_layout() -> None:
+    """The launcher's padded rows of packed tokens (dO's descales, Q^T / dO^T) are the kernels':
+    sequence s from (cu[s] + s tile_m) // tile_m * tile_m on, tile-aligned, in order, disjoint."""
+    cu = torch.tensor([0, 37, 37, 107, 300], dtype=torch.int32)
+    starts = launch.padded_starts(cu, 64)
+    rows = launch.padded_rows(cu, starts, 300)
+    assert starts.tolist() == [0, 64, 128, 256, 512]
+    assert rows[:37].tolist() == list(range(37)) and rows[37:107].tolist() == list(range(128, 198))
+    assert rows[107:].tolist() == list(range(256, 449))
+    assert len(set(rows.tolist())) == 300
+
+
+def test_opcheck_fp8_varlen_backward_op() -> None:
+    q, k, v, cu_q, cu_k = _packed([20, 9], [12, 30], h=2, hkv=2)
+    q, k, v = (t.detach() for t in (q, k, v))
+    q8, k8, v8, qd, kd, vd = torch.ops.cute_flash.quantize_qkv_varlen(q, k, v, cu_q, cu_k, 20, 30, True, 0,
+                                                                       True)
+    out, lse = torch.ops.cute_flash.varlen_fwd_fp8(q8, k8, v8, cu_q, cu_k, 20, 30, qd, kd, vd, 0.125, True,
+                                                   -1, -1, torch.bfloat16, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.cute_flash.varlen_bwd_fp8.default,
+                          (dout, q8, k8, v, cu_q, cu_k, 20, 30, qd, kd, vd, out, lse, None, 0.125, True, 0,
+                           False),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_packed_query_relayout_compiles_in_the_kernel_order() -> None:
+    """Q^T / dO^T of packed sequences: the V re-layout kernel with the kernel's token order from
+    each sequence's own (padded, 16-aligned) start; without such starts the order is refused."""
+    from cute_flash import dispatch
+    from cute_flash.hopper.fp8_config import QuantizeConfig
+
+    cfg = dispatch.relayout_v_config(128, v_perm=True, varlen=True, aligned=True)
+    assert jit.spill_bytes(dataclasses.replace(cfg, target="sm_90a")) == 0
+    with pytest.raises(ValueError, match="v_aligned"):
+        QuantizeConfig(target="sm_90a", dtype="e4m3", hdim=128, rotate=False, transpose=True, v_perm=True,
+                       varlen=True)

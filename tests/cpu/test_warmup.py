@@ -84,17 +84,20 @@ def _launched_fp8(spec: AttentionSpec, nq: int, nk: int) -> list[jit.KernelConfi
 def _launched_fp8_bwd(spec: AttentionSpec, n: int, batch: int) -> list[jit.KernelConfig]:
     """The configs of one FP8 backward, as ``launch.run_bwd_fp8`` plans them: dO's and V's
     quantize kernels, the token-contiguous re-layouts, (pre, main, post)."""
-    p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=spec.causal, local=False, varlen=False,
+    packed = spec.varlen
+    p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=spec.causal, local=False, varlen=packed,
                              seqlen_q=n, seqlen_k=n, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
                              num_sms=132, q_dense=True)
     p = replace(p, deterministic=spec.deterministic, dlse=False, batch=batch)
-    configs = [*dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim), *dispatch.fp8_bwd_configs(p),
-               *(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=False) for perm in (False, True))]
+    configs = [*dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed), *dispatch.fp8_bwd_configs(p),
+               *(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed, aligned=packed and perm)
+                 for perm in (False, True))]
     return [replace(c, target="sm_90a") for c in configs]
 
 
 @pytest.mark.parametrize("spec", [AttentionSpec(hdim=128, heads_q=32, heads_kv=8, fp8=True),
-                                  AttentionSpec(hdim=64, heads_q=16, heads_kv=16, causal=False, fp8=True)],
+                                  AttentionSpec(hdim=64, heads_q=16, heads_kv=16, causal=False, fp8=True),
+                                  AttentionSpec(hdim=128, heads_q=16, heads_kv=4, varlen=True, fp8=True)],
                          ids=lambda s: s.label().replace(" ", "-"))
 def test_the_fp8_sweep_covers_the_fp8_backward_of_any_length(spec: AttentionSpec, seed: int) -> None:
     planned = set(warmup.plan_configs(spec, "sm_90a", 132))
