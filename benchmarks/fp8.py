@@ -4,12 +4,13 @@ quantize + FP8 time, and the FA3 paper's accuracy experiment with the kernels. E
 guarded: a failure prints its error and the next part runs.
 
     python benchmarks/fp8.py [--hdim 128 256] [--seqlen 2048 8192 16384] [--causal 0 1]
-        [--parts accuracy quant attn bwd] [--gqa 1 4]
+        [--parts accuracy quant attn bwd bwd-model] [--gqa 1 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import traceback
@@ -127,12 +128,42 @@ def attn_speed(d: int, n: int, causal: bool) -> None:
           + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}", flush=True)
 
 
-def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
+def _peer_bwds(q, k, v, dout, causal: bool, fns: dict, cu=None) -> None:
+    """bf16 backward peers of the same problem, each where it runs: flash-attn-4, and for dense
+    inputs SDPA's flash and cuDNN backends (the kernel a backward runs is chosen at its forward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def grads_of(out, leaves):
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        o4 = (flash_attn_func(*leaves, causal=causal) if cu is None else
+              flash_attn_varlen_func(*leaves, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal))
+        fns["fa4"] = grads_of(o4[0] if isinstance(o4, tuple) else o4, leaves)
+    except Exception:  # noqa: BLE001 - a peer that does not run this shape is left out
+        pass
+    if cu is not None:
+        return
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            leaves = tuple(t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(backend):
+                o = sdpa(*leaves, is_causal=causal, enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
+            fns[name] = grads_of(o, leaves)
+            fns[name]()
+        except Exception:  # noqa: BLE001
+            fns.pop(name, None)
+
+
+def bwd_speed(b: int, n: int, h: int, hkv: int, d: int, causal: bool) -> None:
     """FP8 backward TFLOP/s (the launcher: dO's quantization and the token-contiguous copies
-    included; ``+unrot``: the ``fp8=True`` op, rotation undone) beside our bf16 backward and
-    flash-attn-4's on the same shape (FLOPs: 2.5x the forward's)."""
-    b, h = max(1, 16384 // n), 2048 // d
-    hkv = h // hkv_div
+    included; ``+unrot``: the ``fp8=True`` op, rotation undone) beside our bf16 backward and the
+    bf16 peers on the same shape (FLOPs: 2.5x the forward's)."""
     q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
@@ -150,19 +181,48 @@ def bwd_speed(d: int, n: int, causal: bool, hkv_div: int = 1) -> None:
         "fp8": lambda: run_bwd_fp8(dout, *saved, softmax_scale=scale, causal=causal),
         "fp8+unrot": lambda: torch.ops.cute_flash.bwd_fp8(dout, *saved, None, scale, causal, 0, False),
     }
-    try:
-        from flash_attn.cute import flash_attn_func
+    _peer_bwds(q, k, v, dout, causal, fns)
+    _report(f"bwd B={b} N={n} H={h}/{hkv} d={d} causal={int(causal)}", tflops_rotated(fns, flops))
 
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        o4 = flash_attn_func(qg, kg, vg, causal=causal)
-        o4 = o4[0] if isinstance(o4, tuple) else o4
-        fns["fa4-bf16"] = lambda: torch.autograd.grad(o4, (qg, kg, vg), dout, retain_graph=True)
-    except Exception:  # noqa: BLE001
-        pass
-    tf = tflops_rotated(fns, flops)
-    print(f"bwd d={d} N={n} H={h}/{hkv} causal={int(causal)}: "
-          + " ".join(f"{x} {v:.0f}" for x, v in tf.items()) + f"  fp8/bf16 {tf['fp8'] / tf['bf16']:.2f}",
-          flush=True)
+
+def bwd_varlen_speed(lens: list[int], h: int, hkv: int, d: int, causal: bool) -> None:
+    """``bwd_speed`` on one pack of sequences (documents of a training batch), the FP8 op with
+    its rotation undone against our bf16 varlen backward and flash-attn-4's."""
+    from cute_flash import flash_attn_varlen_func
+
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    t, mx = sum(lens), max(lens)
+    q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    flops = 2.5 * 4 * h * d * sum(n * n / (2 if causal else 1) for n in lens)
+    fns = {}
+    for name, fp8 in (("bf16", False), ("fp8+unrot", True)):
+        o = flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=causal, fp8=fp8)
+        fns[name] = (lambda o=o: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True))
+    _peer_bwds(q.detach(), k.detach(), v.detach(), dout, causal, fns, cu=cu)
+    _report(f"bwd varlen {len(lens)} seqs T={t} H={h}/{hkv} d={d} causal={int(causal)}",
+            tflops_rotated(fns, flops))
+
+
+def _report(label: str, tf: dict[str, float]) -> None:
+    fp8 = tf.get("fp8", tf.get("fp8+unrot"))
+    print(f"{label}: " + " ".join(f"{x} {v:.0f}" for x, v in tf.items())
+          + f"  fp8/bf16 {fp8 / tf['bf16']:.2f}", flush=True)
+
+
+# Model-shaped backward problems: (B, N, H, H_kv, d, causal) -- LLM training steps with GQA, a
+# DiT-style image / video block, short encoder sequences.
+MODEL_BWD_SHAPES = [
+    (1, 4096, 32, 8, 128, True),    # Llama-3-8B, 4k
+    (1, 8192, 32, 8, 128, True),    # Llama-3-8B, 8k
+    (2, 2048, 28, 4, 128, True),    # Qwen2-7B, 2k, GQA 7
+    (1, 4429, 24, 24, 64, False),   # SD3-style joint DiT block (4096 image + 333 text tokens)
+    (16, 512, 16, 16, 64, False),   # BERT-large-style encoder, 512
+    (2, 1000, 16, 16, 128, False),  # encoder, off the tile grid
+]
+# One pack of documents (16k tokens) for the varlen backward.
+VARLEN_LENS = [512, 1700, 3000, 900, 6000, 4272]
 
 
 def main() -> None:
@@ -171,7 +231,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--parts", nargs="+", default=["accuracy", "quant", "attn"],
-                    help="accuracy quant attn bwd")
+                    help="accuracy quant attn bwd bwd-model")
     ap.add_argument("--gqa", type=int, nargs="+", default=[1], help="query heads per kv head (bwd)")
     ap.add_argument("--qk-lanes", type=int, nargs="*", default=[8, 16, 32],
                     help="Q / K lanes per row to time beside the default")
@@ -188,8 +248,15 @@ def main() -> None:
                     guarded(f"attn d={d} N={n} causal={c}", lambda d=d, n=n, c=c: attn_speed(d, n, c))
                 if "bwd" in args.parts:
                     for g in args.gqa:
+                        b, h = max(1, 16384 // n), 2048 // d
                         guarded(f"bwd d={d} N={n} causal={c} gqa={g}",
-                                lambda d=d, n=n, c=c, g=g: bwd_speed(d, n, c, g))
+                                lambda b=b, n=n, h=h, g=g, d=d, c=c: bwd_speed(b, n, h, h // g, d, c))
+    if "bwd-model" in args.parts:
+        for shape in MODEL_BWD_SHAPES:
+            guarded(f"bwd {shape}", lambda shape=shape: bwd_speed(*shape))
+        for d in args.hdim:
+            for c in map(bool, args.causal):
+                guarded(f"bwd varlen d={d}", lambda d=d, c=c: bwd_varlen_speed(VARLEN_LENS, 16, 4, d, c))
 
 
 if __name__ == "__main__":

@@ -189,12 +189,11 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, var
     return fp8.quant_configs(dtype, hdim, rotate, v_perm=v_perm, varlen=varlen, v_aligned=v_aligned)
 
 
-def relayout_v_config(hdim: int, v_perm: bool, varlen: bool, aligned: bool | None = None) -> jit.KernelConfig:
+def relayout_v_config(hdim: int, v_perm: bool, varlen: bool) -> jit.KernelConfig:
     """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout
-    (``aligned``, None = ``varlen``: packed sequences each from the start the caller gives)."""
+    (packed sequences each from the 16-aligned start the caller gives)."""
     return fp8.QuantizeConfig(target=None, dtype="e4m3", hdim=hdim, rotate=False, transpose=True,
-                              phase="quant", v_perm=v_perm, varlen=varlen,
-                              v_aligned=varlen if aligned is None else aligned)
+                              phase="quant", v_perm=v_perm, varlen=varlen, v_aligned=varlen)
 
 
 def kvcache_problem(dtype: str, hdim: int, hdim_v: int, *, causal: bool, local: bool, softcap: bool,

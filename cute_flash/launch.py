@@ -450,10 +450,13 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
         starts = padded_starts(cu_seqlens_q, cfg.tile_m)
         rows_descale.index_copy_(1, padded_rows(cu_seqlens_q, starts, rows_q), do_descale.t())
         # Q^T and dO^T each sequence from its first padded scratch row, in the kernel's query order
-        # (whole 16-token chunks: the P~ / dS A fragments need no lane exchange); K^T packed.
+        # (whole 16-token chunks: the P~ / dS A fragments need no lane exchange); K^T each sequence
+        # from a key-tile start (TMA boxes start on 16 bytes), natural order.
         q8t, do8t = (token_contiguous_copy_varlen(t, cu_seqlens_q, mq, starts, dsum.shape[-1])
                      for t in (q8, do8))
-        k8t = token_contiguous_copy_varlen(k8, cu_seqlens_k, mk)
+        tn = cfg.tile_n
+        k8t = token_contiguous_copy_varlen(k8, cu_seqlens_k, mk, padded_starts(cu_seqlens_k, tn),
+                                           (k8.shape[0] // tn + num_batch + 1) * tn, perm=False)
     else:
         rows_descale[..., :rows_q] = do_descale.transpose(1, 2)
         # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
@@ -545,25 +548,21 @@ def token_contiguous_copy(x8: Tensor, perm: bool) -> Tensor:
     return (store if perm else store[..., :x8.shape[1]]).permute(0, 3, 1, 2)
 
 
-def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                                 starts: Tensor | None = None, total: int = 0) -> Tensor:
-    """A packed e4m3 (T, H, d) tensor token-contiguous, as a (T', H, d) view over (H, d, T') storage:
-    with ``starts`` (int32, a 16-aligned start per sequence) sequence s from ``starts[s]`` on, each
-    16 tokens in ``formats.V_PERM16`` order, T' = ``total`` and the gaps zeros; else the packed order
-    (T' = T, storage padded to 16). ``relayout_v``'s kernel on packed input."""
+def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int, starts: Tensor,
+                                 total: int, perm: bool = True) -> Tensor:
+    """A packed e4m3 (T, H, d) tensor token-contiguous, as a (``total``, H, d) view over (H, d,
+    ``total``) storage: sequence s from ``starts[s]`` on (int32, 16-aligned; ``padded_starts``),
+    the gaps zeros, with ``perm`` each 16 tokens in ``formats.V_PERM16`` order. ``relayout_v``'s
+    kernel on packed input."""
     t, h, d = x8.shape
-    if starts is None:
-        store = torch.empty(h, d, (t + 15) // 16 * 16, device=x8.device, dtype=x8.dtype)
-        cfg = dispatch.relayout_v_config(d, v_perm=False, varlen=True, aligned=False)
-    else:
-        store = torch.zeros(h, d, total, device=x8.device, dtype=x8.dtype)
-        cfg = dispatch.relayout_v_config(d, v_perm=True, varlen=True, aligned=True)
+    store = torch.zeros(h, d, total, device=x8.device, dtype=x8.dtype)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs and max_seqlen and t:
         unit = torch.full((num_seqs, h), E4M3_MAX, device=x8.device, dtype=torch.float32)
+        cfg = dispatch.relayout_v_config(d, v_perm=perm, varlen=True)
         jit.compile_kernel(cfg)(x8.contiguous(), _signs(d, 0, x8.device), unit, store, cu_seqlens, max_seqlen,
                                 starts)
-    return (store if starts is not None else store[..., :t]).permute(2, 0, 1)
+    return store.permute(2, 0, 1)
 
 
 _UNROTATE: dict[tuple, Tensor] = {}

@@ -135,7 +135,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         layout), the dQ accumulator, bf16 / fp16 dK, dV; the forward's (B, H_kv) descales.
         Packed sequences: (T, H, d) tensors with int32 ``cu_seqlens`` (S + 1,), (S, H_kv) descales;
         Q^T and dO^T then hold each sequence from its first padded scratch row on
-        (``scratch.padded_offset_q``), K^T the packed order."""
+        (``scratch.padded_offset_q``), K^T likewise by key tiles (``kt_rows``)."""
         self._setup()
         Storage = self._storage()
         mQ, mK, mV, mdO, mdK, mdV = [warp_mma.to_seq_dim_head(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -288,11 +288,14 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                                       mT[None, None, head])
         return mT[None, None, head, batch]
 
-    @staticmethod
-    def kt_rows(mT: cute.Tensor, seqlen, head: Int32, batch: Int32) -> cute.Tensor:
-        """(d, keys) view of K^T for one kv head (packed: from the sequence's first key)."""
+    def kt_rows(self, mT: cute.Tensor, seqlen, head: Int32, batch: Int32) -> cute.Tensor:
+        """(d, keys) view of K^T for one kv head. Packed: the launcher's copy starts sequence b at
+        (cu_k[b] + b tile_n) // tile_n * tile_n, as the scratch rows do queries -- a TMA box's
+        first token must sit on 16 bytes, which packed offsets do not."""
         if cutlass.const_expr(seqlen.varlen_k):
-            return cute.domain_offset((0, seqlen.offset_k), mT[None, None, head])
+            tn = self.tile_n
+            start = cute.assume((seqlen.offset_k + batch * tn) // tn * tn, divby=tn)
+            return cute.domain_offset((0, start), mT[None, None, head])
         return mT[None, None, head, batch]
 
     @staticmethod

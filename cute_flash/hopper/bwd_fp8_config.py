@@ -72,7 +72,7 @@ class BwdSm90Fp8Config(BwdSm90Config):
             tq, tk, s1 = jit.sym(), jit.sym(), jit.sym()
             b = None
             q_shape, k_shape = (tq, h, d), (tk, hkv, d)
-            # Q^T / dO^T over (H, d, T_pad) storage in padded scratch rows; K^T over (H_kv, d, T_k_pad).
+            # Q^T / dO^T over (H, d, T_pad) storage in padded scratch rows.
             qt_shape, lead = (jit.sym(), h, d), 0
             cu = [jit.fake_tensor(cutlass.Int32, (s1,), leading_dim=0) for _ in range(2)]
             descale_shape = (jit.sym(), hkv)
@@ -89,7 +89,9 @@ class BwdSm90Fp8Config(BwdSm90Config):
         q, do = (jit.fake_tensor(f8, q_shape, divisibility=16) for _ in range(2))
         k, v = (jit.fake_tensor(f8, k_shape, divisibility=16) for _ in range(2))
         qt, dot = (jit.fake_tensor(f8, qt_shape, leading_dim=lead, divisibility=16) for _ in range(2))
-        kt = jit.fake_tensor(f8, k_shape, leading_dim=lead, divisibility=16)
+        # (K^T packed: each sequence from a key-tile start, its own extent.)
+        kt = jit.fake_tensor(f8, (jit.sym(), hkv, d) if self.varlen else k_shape, leading_dim=lead,
+                             divisibility=16)
         lse2, dsum, dq_acc, sem = signatures.scratch_fakes(self.varlen, h, b, self.deterministic)
         do_descale = jit.fake_tensor(cutlass.Float32, rows_shape, divisibility=4)
         dk, dv = (jit.fake_tensor(out, k_shape, divisibility=jit.vec_div(out)) for _ in range(2))

@@ -134,8 +134,7 @@ def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[in
     if backward:
         out.update(dict.fromkeys(dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed)))
         # Q^T / dO^T in the kernel's order, K^T in the natural one (packed: from padded starts).
-        out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed,
-                                                            aligned=packed and perm)
+        out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed)
                                  for perm in (False, True)))
     for nq, nk in pairs:
         p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=causal, local=local, varlen=packed,

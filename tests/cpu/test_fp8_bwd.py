@@ -222,7 +222,7 @@ def test_packed_query_relayout_compiles_in_the_kernel_order() -> None:
     from cute_flash import dispatch
     from cute_flash.hopper.fp8_config import QuantizeConfig
 
-    cfg = dispatch.relayout_v_config(128, v_perm=True, varlen=True, aligned=True)
+    cfg = dispatch.relayout_v_config(128, v_perm=True, varlen=True)
     assert jit.spill_bytes(dataclasses.replace(cfg, target="sm_90a")) == 0
     with pytest.raises(ValueError, match="v_aligned"):
         QuantizeConfig(target="sm_90a", dtype="e4m3", hdim=128, rotate=False, transpose=True, v_perm=True,

@@ -90,7 +90,7 @@ def _launched_fp8_bwd(spec: AttentionSpec, n: int, batch: int) -> list[jit.Kerne
                              num_sms=132, q_dense=True)
     p = replace(p, deterministic=spec.deterministic, dlse=False, batch=batch)
     configs = [*dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed), *dispatch.fp8_bwd_configs(p),
-               *(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed, aligned=packed and perm)
+               *(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed)
                  for perm in (False, True))]
     return [replace(c, target="sm_90a") for c in configs]
 
