@@ -227,11 +227,18 @@ def _bwd_kernels(p: Problem, family: str, overrides: tuple) -> tuple:
     return (main, *(jit.compile_kernel(c) for c in (pre, main, post)), split)
 
 
-def _partial_grads(k: Tensor, v: Tensor, split: int) -> tuple[Tensor, Tensor]:
+def _partial_grads(dk: Tensor, dv: Tensor, split: int) -> tuple[Tensor, Tensor]:
     """dK / dV partial sums of a split query-head group: ``split`` heads per K/V head, adjacent."""
-    lead, hkv = k.shape[:-2], k.shape[-2]
-    return (torch.empty(*lead, hkv * split, k.shape[-1], dtype=k.dtype, device=k.device),
-            torch.empty(*lead, hkv * split, v.shape[-1], dtype=v.dtype, device=v.device))
+    lead, hkv = dk.shape[:-2], dk.shape[-2]
+    return (torch.empty(*lead, hkv * split, dk.shape[-1], dtype=dk.dtype, device=dk.device),
+            torch.empty(*lead, hkv * split, dv.shape[-1], dtype=dv.dtype, device=dv.device))
+
+
+def _sum_partials(parts: tuple[Tensor, Tensor], grads: tuple[Tensor, Tensor], split: int) -> None:
+    """dK / dV from their partials (in the gradients' dtype), summed in fp32 in a fixed order
+    (deterministic mode holds)."""
+    for part, grad in zip(parts, grads, strict=True):
+        torch.sum(part.unflatten(-2, (grad.shape[-2], split)), dim=-2, out=grad)
 
 
 def mod_args(aux: tuple[Tensor, ...], aux_grads: tuple[Tensor | None, ...] = ()) -> list:
@@ -322,16 +329,14 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     # (Nothing host-side between the preprocess and the main kernel: the sm90 main kernel launches
     # while the preprocess still runs.)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
-    dk_main, dv_main = _partial_grads(k, v, split) if split > 1 else (dk, dv)
+    dk_main, dv_main = _partial_grads(dk, dv, split) if split > 1 else (dk, dv)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk, *mod_args(aux, aux_grads), ranges)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
     # (D is read, not written, by the main kernel: still the preprocess's.)
     dsinks = None if sinks is None else sink_grad_from_d(sinks, lse, dsum, cu_seqlens_q, tile_m)
     if split > 1:
-        # Partials in the input dtype, summed in fp32 in a fixed order (deterministic mode holds).
-        for part, grad in ((dk_main, dk), (dv_main, dv)):
-            torch.sum(part.unflatten(-2, (k.shape[-2], split)), dim=-2, out=grad)
+        _sum_partials((dk_main, dv_main), (dk, dv), split)
     return dsinks
 
 
@@ -436,7 +441,7 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
                              seqlen_q=mq, seqlen_k=mk, heads_q=h, heads_kv=hkv, num_sms=sm_count(q8.device),
                              q_dense=True)
     p = dataclasses.replace(p, deterministic=deterministic, dlse=dlse is not None, batch=num_batch)
-    cfg, pre, main, post = _fp8_bwd_kernels(p, tuple(sorted(overrides.items())))
+    cfg, pre, main, post, split = _fp8_bwd_kernels(p, tuple(sorted(overrides.items())))
     v8 = quantize_like(v, v_descale, cu_seqlens_k, mk)
     # (Autograd may hand in broadcast views, e.g. dlse of lse.sum(): all strides 0.)
     dout = _dense(dout)
@@ -463,10 +468,13 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
         q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
         k8t = token_contiguous_copy(k8, False)
     scale = float(softmax_scale)
+    dk_main, dv_main = _partial_grads(dk, dv, split) if split > 1 else (dk, dv)
     pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
-    main(q8.contiguous(), k8.contiguous(), v8, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk, dv,
-         cu_seqlens_q, cu_seqlens_k, sem, q_descale, k_descale, v_descale, scale, -1, -1, mk)
+    main(q8.contiguous(), k8.contiguous(), v8, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk_main,
+         dv_main, cu_seqlens_q, cu_seqlens_k, sem, q_descale, k_descale, v_descale, scale, -1, -1, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
+    if split > 1:
+        _sum_partials((dk_main, dv_main), (dk, dv), split)
     return dq, dk, dv
 
 
@@ -487,10 +495,12 @@ def padded_rows(cu_seqlens: Tensor, starts: Tensor, total: int) -> Tensor:
 
 @functools.lru_cache(maxsize=512)
 def _fp8_bwd_kernels(p: Problem, overrides: tuple) -> tuple:
-    """The main config and the compiled (pre, main, post) kernels of one FP8 backward problem,
-    cached as ``_bwd_kernels``: the plan's Python costs more than the host can spare per call."""
+    """The main config, the compiled (pre, main, post) kernels and the head split of one FP8
+    backward problem, cached as ``_bwd_kernels``: the plan's Python costs more than the host can
+    spare per call."""
     configs = dispatch.fp8_bwd_configs(p, overrides)
-    return (configs[1], *(jit.compile_kernel(c) for c in configs))
+    split = dispatch.bwd_head_split(p, "sm90", overrides) if configs[1].split_heads else 1
+    return (configs[1], *(jit.compile_kernel(c) for c in configs), split)
 
 
 def _dense(t: Tensor) -> Tensor:

@@ -154,7 +154,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         tma_Kt, mKt_tma = cpasync.make_tiled_tma_atom(g2s, mKt, self.sKt_layout, (d, tn))
         tma_V, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, self.sV_layout, (tn, d))
         num_batch, seqlen_k = warp_mma.grid_rows(mK, mCuSeqlensK, max_seqlen_k)
-        heads = mK.shape[2]
+        # ``split_heads``: one CTA row per partial dK / dV head (the launcher sums the partials).
+        heads = mdK.shape[2] if cutlass.const_expr(self.cfg.split_heads) else mK.shape[2]
         grid = (cute.ceil_div(seqlen_k, tn), heads, num_batch)
         score_scale, scale_log2 = score_scales(softmax_scale, Float32(0.0), False, False)
         scales = (softmax_scale, score_scale, scale_log2)
@@ -224,7 +225,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 cute.arch.setmaxregister_increase(240)
                 self.wait_for_preprocess()
                 ctx = self.consumer_setup(smem, scales, args)
-                ctx.descales = (mQd[batch, head_kv], mKd[batch, head_kv], mVd[batch, head_kv])
+                kv = work.kv_head
+                ctx.descales = (mQd[batch, kv], mKd[batch, kv], mVd[batch, kv])
                 ctx.sdS_raw = smem.sdS_raw
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)

@@ -12,7 +12,7 @@ import cutlass
 
 from cute_flash import jit, signatures
 from cute_flash.formats import FP8_BWD_HDIMS
-from cute_flash.hopper.bwd_config import SM90_BWD_LPT_BALANCED, BwdSm90Config
+from cute_flash.hopper.bwd_config import SM90_BWD_LPT_BALANCED, BwdSm90Config, head_split
 from cute_flash.problem import Problem
 
 # Query-block rows by head dim: k32 GEMMs over the query block (dV, dK) need a multiple of 32,
@@ -34,8 +34,8 @@ class BwdSm90Fp8Config(BwdSm90Config):
     def __post_init__(self) -> None:
         if self.hdim not in FP8_BWD_HDIMS or self.hdim_v not in (0, self.hdim):
             raise ValueError(f"FP8 backward: head dims {FP8_BWD_HDIMS} with d_v = d")
-        if self.softcap or self.mods is not None or self.local or self.split_heads:
-            raise ValueError("FP8 backward: no softcap, mods, sliding window or split head groups")
+        if self.softcap or self.mods is not None or self.local:
+            raise ValueError("FP8 backward: no softcap, mods or sliding window")
         for name, value in _FIXED.items():
             if getattr(self, name) not in (None, 0, value):
                 raise ValueError(f"FP8 backward: {name} must be {value}")
@@ -94,7 +94,9 @@ class BwdSm90Fp8Config(BwdSm90Config):
                              divisibility=16)
         lse2, dsum, dq_acc, sem = signatures.scratch_fakes(self.varlen, h, b, self.deterministic)
         do_descale = jit.fake_tensor(cutlass.Float32, rows_shape, divisibility=4)
-        dk, dv = (jit.fake_tensor(out, k_shape, divisibility=jit.vec_div(out)) for _ in range(2))
+        # (``split_heads``: dK / dV partial sums with their own head count.)
+        dk_shape = (*k_shape[:-2], jit.sym(), d) if self.split_heads else k_shape
+        dk, dv = (jit.fake_tensor(out, dk_shape, divisibility=jit.vec_div(out)) for _ in range(2))
         descales = [jit.fake_tensor(cutlass.Float32, descale_shape) for _ in range(3)]
         scalars = (cutlass.Float32(1.0), cutlass.Int32(-1), cutlass.Int32(-1), cutlass.Int32(0))
         return (q, k, v, do, qt, kt, dot, lse2, dsum, do_descale, dq_acc, dk, dv, *cu, sem, *descales,
@@ -107,12 +109,19 @@ def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool) -> bool:
 
 
 def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
-    """(preprocess, main, postprocess) of one FP8 backward problem: the longest-first walk over
-    even sections where full ones leave a short last one, as the 16-bit backward's plan."""
+    """(preprocess, main, postprocess) of one FP8 backward problem, as the 16-bit backward's plan:
+    GQA groups split over CTA rows where the grid would be short of waves (``head_split``), the
+    longest-first walk over even sections where full ones leave a short last one."""
     fixed = dict(overrides)
+    fixed.pop("head_split", None)
+    split = head_split(p, overrides)
+    if "split_heads" not in fixed and split > 1:
+        fixed["split_heads"] = True
     cfg = BwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, causal=p.causal, varlen=p.varlen,
                            deterministic=p.deterministic, **fixed)
+    split = split if cfg.split_heads else 1
+    rows = p.max_seqlen_q * (p.heads_q // p.heads_kv) // split
     if (p.extents_known and cfg.lpt and SM90_BWD_LPT_BALANCED and "lpt_balanced" not in fixed
-            and cfg.lpt_last_section_short(p.max_seqlen_q * (p.heads_q // p.heads_kv), p.heads_kv)):
+            and cfg.lpt_last_section_short(rows, p.heads_kv * split)):
         cfg = dataclasses.replace(cfg, lpt_balanced=True)
     return cfg.pre(dlse=p.dlse), cfg, cfg.post()

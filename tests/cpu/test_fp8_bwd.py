@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from cute_flash import flash_attn_func, flash_attn_varlen_func, jit, launch
+from cute_flash import dispatch, flash_attn_func, flash_attn_varlen_func, jit, launch
 from cute_flash.formats import E4M3_MAX
 from cute_flash.hopper.bwd_fp8_config import BwdSm90Fp8Config, plan
 from cute_flash.problem import Problem
@@ -26,11 +26,14 @@ FAST = BwdSm90Fp8Config(target="sm_90a", hdim=128, causal=True)
 
 @pytest.mark.parametrize("cfg", [pytest.param(c, marks=() if c == FAST else pytest.mark.slow,
                                               id=f"d{c.hdim}-{'causal' if c.causal else 'full'}"
-                                                 f"{'-varlen' if c.varlen else ''}")
+                                                 f"{'-varlen' if c.varlen else ''}"
+                                                 f"{'-split' if c.split_heads else ''}")
                                  for c in (FAST, *(BwdSm90Fp8Config(target="sm_90a", hdim=d, causal=c)
                                                    for d, c in ((128, False), (64, False), (64, True))),
                                            *(BwdSm90Fp8Config(target="sm_90a", hdim=d, causal=c, varlen=True)
-                                             for d, c in ((128, True), (64, False))))])
+                                             for d, c in ((128, True), (64, False))),
+                                           BwdSm90Fp8Config(target="sm_90a", hdim=128, causal=True,
+                                                            split_heads=True))])
 def test_fp8_backward_compiles_to_e4m3_wgmma(cfg: BwdSm90Fp8Config) -> None:
     ptx, cubin = jit.compile_artifacts(cfg)
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k(\d+)\.f32\.(\w+)\.(\w+)", ptx)
@@ -51,7 +54,7 @@ def test_fp8_backward_compiles_to_e4m3_wgmma(cfg: BwdSm90Fp8Config) -> None:
 
 
 def test_fp8_backward_config_refuses_what_the_kernel_does_not_build() -> None:
-    for bad in (dict(hdim=256), dict(hdim=128, local=True), dict(hdim=128, varlen=True, split_heads=True),
+    for bad in (dict(hdim=256), dict(hdim=128, local=True), dict(hdim=128, causal=True, ds_stages=2),
                 dict(hdim=128, softcap=True), dict(hdim=128, tile_m=80), dict(hdim=128, split_loads=True),
                 dict(hdim=128, hdim_v=64)):
         with pytest.raises(ValueError):
@@ -65,6 +68,17 @@ def test_fp8_backward_plan_walks_causal_longest_first() -> None:
     pre, main, post = plan(p)
     assert main.lpt and not main.split_loads and main.tile_m == 64
     assert pre.tile_m == post.tile_m == main.tile_m
+
+
+def test_fp8_backward_plan_splits_gqa_groups_where_the_grid_is_short() -> None:
+    """Llama-style GQA at 4k: 32 key blocks x 8 kv heads are under two waves of 132 CTAs, so the
+    query heads of a group go to several CTA rows (partial dK / dV summed by the launcher); with
+    enough key blocks, or without GQA, one CTA walks the whole group."""
+    base = dict(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, batch=1, num_sms=132)
+    p = Problem(**base, max_seqlen_q=4096, max_seqlen_k=4096, heads_q=32, heads_kv=8)
+    assert plan(p)[1].split_heads and dispatch.bwd_head_split(p, "sm90") > 1
+    assert not plan(dataclasses.replace(p, heads_q=8))[1].split_heads
+    assert not plan(dataclasses.replace(p, batch=16, max_seqlen_q=16384, max_seqlen_k=16384))[1].split_heads
 
 
 def _inputs(b=1, nq=150, nk=150, h=4, hkv=2, d=64, seed=0):
@@ -219,7 +233,6 @@ def test_opcheck_fp8_varlen_backward_op() -> None:
 def test_packed_query_relayout_compiles_in_the_kernel_order() -> None:
     """Q^T / dO^T of packed sequences: the V re-layout kernel with the kernel's token order from
     each sequence's own (padded, 16-aligned) start; without such starts the order is refused."""
-    from cute_flash import dispatch
     from cute_flash.hopper.fp8_config import QuantizeConfig
 
     cfg = dispatch.relayout_v_config(128, v_perm=True, varlen=True)
