@@ -520,8 +520,11 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
         rows = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1])[0]
         jit.compile_kernel(rows)(x, _signs(x.shape[-1], 0, x.device), descale, x8, None, 0, None)
         return x8, descale
-    descale = x.abs().amax(dim=-1, keepdim=True).float().div_(E4M3_MAX)
-    codes = torch.div(x, descale.clamp_min(torch.finfo(torch.float32).tiny))
+    # As the kernel: rows below a 1e-30 floor keep codes and descale in the floor's units.
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    top = amax.clamp_min(1e-30)
+    codes = x.float() * (E4M3_MAX / top)
+    descale = torch.where(amax > 0, top / E4M3_MAX, 0.0)
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), descale.squeeze(-1)
 
 

@@ -280,13 +280,17 @@ class QuantizeSm90:
                 while off < self.lanes:  # (the row's lanes are adjacent: xor stays inside them)
                     m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=off))
                     off *= 2
-                scale = Float32(E4M3_MAX) / cute.arch.fmax(m, Float32(1e-30))  # all-zero row: codes 0
+                # (A floor for all-zero rows, whose codes are 0 and descale 0; rows below it keep
+                # codes and descale in the floor's units, so the two still agree.)
+                top = cute.arch.fmax(m, Float32(1e-30))
+                scale = Float32(E4M3_MAX) / top
                 if n < seqlen:
                     q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
                     q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))
                     cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (sub,)))
                     if sub == 0:
-                        mDescale[batch, n, head] = m / Float32(E4M3_MAX)
+                        kept = cutlass.select_(m > Float32(0.0), top, Float32(0.0))
+                        mDescale[batch, n, head] = kept / Float32(E4M3_MAX)
 
     @cute.jit
     def stage_row(self, raw, sT, row: Int32, scale: Float32, lane: Int32):

@@ -102,6 +102,23 @@ def test_fp8_backward_takes_broadcast_gradients() -> None:
         assert _rel_rmse(t.grad, t64.grad) < 0.25  # (FP8: ~0.07; a wrong read: ~1)
 
 
+def test_do_row_quantize_kernel_matches_its_descales() -> None:
+    """The rows phase (dO per (token, head) row): each row's amax at 448 with the descale it
+    writes, rows far below fp32's normal range and all-zero rows included (codes 0, descale 0)."""
+    x = torch.randn(2, 70, 3, 128, device="cuda") * torch.logspace(-4, 4, 70, device="cuda")[:, None, None]
+    x[0, 3, 1] *= 1.5e-28  # amax ~1e-31: below the kernel's floor (1e-30)
+    x[1, 5, 2] = 0
+    x = x.bfloat16()
+    x8, descale = launch.quantize_rows(x)
+    ref8, ref_descale = launch.quantize_rows(x.cpu())
+    back = x8.float() * descale[..., None]
+    amax = x.float().abs().amax(-1, keepdim=True)
+    assert ((back - x.float()).abs() <= amax / 16).all()
+    normal = amax.squeeze(-1).cpu() > 1e-30
+    assert torch.allclose(descale.cpu()[normal], ref_descale[normal], rtol=1e-6, atol=0)
+    assert not x8[1, 5, 2].float().any() and descale[1, 5, 2] == 0
+
+
 def test_fp8_backward_rotation_is_undone() -> None:
     """dQ / dK come back in the inputs' basis: the launcher's unrotation is the inverse of the
     quantize kernels' rotation (rotate then unrotate is the identity)."""
