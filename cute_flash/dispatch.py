@@ -177,6 +177,11 @@ def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig
     return fp8_bwd.plan(p, overrides)
 
 
+def fp8_bwd_head_split(p: Problem, overrides: tuple = ()) -> int:
+    """CTA rows per K/V head of the FP8 backward: the ``head_split`` that ``overrides`` name, else 1."""
+    return sm90_bwd.head_split(p, overrides) if "head_split" in dict(overrides) else 1
+
+
 def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[jit.KernelConfig]:
     """The FP8 backward's quantize kernels: dO per row, V at its descales (natural layout;
     ``varlen``: packed, one descale per sequence)."""

@@ -499,7 +499,7 @@ def _fp8_bwd_kernels(p: Problem, overrides: tuple) -> tuple:
     backward problem, cached as ``_bwd_kernels``: the plan's Python costs more than the host can
     spare per call."""
     configs = dispatch.fp8_bwd_configs(p, overrides)
-    split = dispatch.bwd_head_split(p, "sm90", overrides) if configs[1].split_heads else 1
+    split = dispatch.fp8_bwd_head_split(p, overrides) if configs[1].split_heads else 1
     return (configs[1], *(jit.compile_kernel(c) for c in configs), split)
 
 

@@ -70,15 +70,16 @@ def test_fp8_backward_plan_walks_causal_longest_first() -> None:
     assert pre.tile_m == post.tile_m == main.tile_m
 
 
-def test_fp8_backward_plan_splits_gqa_groups_where_the_grid_is_short() -> None:
-    """Llama-style GQA at 4k: 32 key blocks x 8 kv heads are under two waves of 132 CTAs, so the
-    query heads of a group go to several CTA rows (partial dK / dV summed by the launcher); with
-    enough key blocks, or without GQA, one CTA walks the whole group."""
-    base = dict(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, batch=1, num_sms=132)
-    p = Problem(**base, max_seqlen_q=4096, max_seqlen_k=4096, heads_q=32, heads_kv=8)
-    assert plan(p)[1].split_heads and dispatch.bwd_head_split(p, "sm90") > 1
-    assert not plan(dataclasses.replace(p, heads_q=8))[1].split_heads
-    assert not plan(dataclasses.replace(p, batch=16, max_seqlen_q=16384, max_seqlen_k=16384))[1].split_heads
+def test_fp8_backward_plan_splits_gqa_groups_only_when_asked() -> None:
+    """``head_split`` in the overrides sends a GQA group's query heads to several CTA rows (partial
+    dK / dV summed by the launcher); the default keeps one row per K/V head."""
+    p = Problem(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, batch=1, num_sms=132,
+                max_seqlen_q=4096, max_seqlen_k=4096, heads_q=32, heads_kv=8)
+    assert not plan(p)[1].split_heads and dispatch.fp8_bwd_head_split(p) == 1
+    asked = (("head_split", 4),)
+    assert plan(p, asked)[1].split_heads and dispatch.fp8_bwd_head_split(p, asked) == 4
+    with pytest.raises(ValueError, match="divide"):
+        plan(p, (("head_split", 3),))
 
 
 def _inputs(b=1, nq=150, nk=150, h=4, hkv=2, d=64, seed=0):
