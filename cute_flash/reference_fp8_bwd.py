@@ -200,8 +200,11 @@ def _grads_from_saved(qs, ks, vs, out, lse, dout, dlse, v, recipe: Fp8BwdRecipe,
     if recipe.do == "e4m3_row":
         # One scale per (token, head) row of dO (its amax, which the preprocess pass reading dO for
         # D can take): it factors out of dP = dO V^T by rows, and out of dV = P^T dO through P.
-        row_descale = do.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
-        codes = do / row_descale.clamp_min(torch.finfo(torch.float32).tiny)  # (rows' amax at 448)
+        # (Rows' amax at 448; rows below a 1e-30 floor in the floor's units, as the kernel.)
+        amax = do.abs().amax(dim=-1, keepdim=True)
+        top = amax.clamp_min(1e-30)
+        row_descale = torch.where(amax > 0, top / E4M3_MAX, 0.0)
+        codes = do * (E4M3_MAX / top)
         do8 = codes.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
         row_descale = row_descale.transpose(1, 2)  # (B, H, N, 1)
     else:
