@@ -256,9 +256,7 @@ def alloc_scratch(q: Tensor, tile_m: int, hdim: int, deterministic: bool, num_ba
     tm, h, d = tile_m, q.shape[-2], hdim
     dev = q.device
     if varlen:
-        # Batch b starts at padded row (cu_q[b] + b*tm) // tm * tm; the last one ends before
-        # (total + B*tm) // tm * tm. One spare tile keeps the bound obvious.
-        npad = (rows // tm + num_batch + 1) * tm
+        npad = packed_padded_total(rows, num_batch, tm)
         lead = (h,)
     else:
         npad = (rows + tm - 1) // tm * tm
@@ -461,7 +459,7 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
                      for t in (q8, do8))
         tn = cfg.tile_n
         k8t = token_contiguous_copy_varlen(k8, cu_seqlens_k, mk, padded_starts(cu_seqlens_k, tn),
-                                           (k8.shape[0] // tn + num_batch + 1) * tn, perm=False)
+                                           packed_padded_total(k8.shape[0], num_batch, tn), perm=False)
     else:
         rows_descale[..., :rows_q] = do_descale.transpose(1, 2)
         # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
@@ -476,6 +474,12 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     if split > 1:
         _sum_partials((dk_main, dv_main), (dk, dv), split)
     return dq, dk, dv
+
+
+def packed_padded_total(rows: int, num_batch: int, tile: int) -> int:
+    """Rows of a packed buffer whose sequence b starts at (cu[b] + b tile) // tile * tile: the last
+    one ends before (total + B tile) // tile * tile; one spare tile keeps the bound obvious."""
+    return (rows // tile + num_batch + 1) * tile
 
 
 def padded_starts(cu_seqlens: Tensor, tile_m: int) -> Tensor:
