@@ -178,8 +178,8 @@ def fp8_bwd_configs(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig
 
 
 def fp8_bwd_head_split(p: Problem, overrides: tuple = ()) -> int:
-    """CTA rows per K/V head of the FP8 backward: the ``head_split`` that ``overrides`` name, else 1."""
-    return sm90_bwd.head_split(p, overrides) if "head_split" in dict(overrides) else 1
+    """CTA rows per K/V head of the FP8 backward (the 16-bit backward's rule, or ``overrides``)."""
+    return sm90_bwd.head_split(p, overrides)
 
 
 def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[jit.KernelConfig]:

@@ -582,20 +582,24 @@ def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int
     return store.permute(2, 0, 1)
 
 
-_UNROTATE: dict[tuple, Tensor] = {}
+_UNROTATE: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
 def unrotate(x: Tensor, seed: int) -> Tensor:
     """x M^T for the forward's rotation M = D H / sqrt(d) (``reference_fp8.rotate``): one d x d
     GEMM in x's dtype with fp32 accumulation against the +-1 matrix H D (exact in 16 bit, made
-    once per (d, seed, device)), then 1 / sqrt(d) (a 16-bit 1 / sqrt(d) in the matrix would
-    scale every gradient by its rounding error)."""
+    once per (d, seed, device)), 1 / sqrt(d) applied as the GEMM's alpha: in fp32 before the one
+    rounding (a 16-bit 1 / sqrt(d) in the matrix would scale every gradient by its rounding
+    error), with no second pass."""
     d = x.shape[-1]
     key = (d, int(seed), x.device, x.dtype)
     if key not in _UNROTATE:
         signed = reference_fp8.hadamard_matrix(d) * formats.hadamard_signs(d, seed).double()
-        _UNROTATE[key] = signed.to(device=x.device, dtype=x.dtype)
-    return (x @ _UNROTATE[key]).mul_(d ** -0.5)
+        _UNROTATE[key] = (signed.to(device=x.device, dtype=x.dtype), torch.zeros((), device=x.device,
+                                                                                  dtype=x.dtype))
+    matrix, zero = _UNROTATE[key]
+    rows = x.reshape(-1, d)
+    return torch.addmm(zero, rows, matrix, beta=0, alpha=d ** -0.5).view(x.shape)
 
 
 # ---------------------------------------------------------------------------------------------

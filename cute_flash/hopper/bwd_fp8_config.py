@@ -110,12 +110,11 @@ def fp8_bwd_covers(hdim: int, hdim_v: int, *, local: bool) -> bool:
 
 def plan(p: Problem, overrides: tuple = ()) -> tuple[jit.KernelConfig, ...]:
     """(preprocess, main, postprocess) of one FP8 backward problem: the longest-first walk over
-    even sections where full ones leave a short last one, as the 16-bit backward's plan. GQA
-    groups go to several CTA rows only where ``overrides`` name a ``head_split`` (tuning: the
-    16-bit backward's rule, ``bwd_config.head_split``, is not measured for this kernel)."""
+    even sections where full ones leave a short last one, and GQA groups split over CTA rows, as
+    the 16-bit backward's plan (``bwd_config.head_split``)."""
     fixed = dict(overrides)
     fixed.pop("head_split", None)
-    split = head_split(p, overrides) if "head_split" in dict(overrides) else 1
+    split = head_split(p, overrides)
     if "split_heads" not in fixed and split > 1:
         fixed["split_heads"] = True
     cfg = BwdSm90Fp8Config(target=p.target, dtype=p.dtype, hdim=p.hdim, causal=p.causal, varlen=p.varlen,

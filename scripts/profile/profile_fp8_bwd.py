@@ -1,7 +1,7 @@
 """Developer probe: where the FP8 backward's time goes (per-kernel CUDA time, torch.profiler),
 beside our bf16 backward on the same shape.
 
-    python scripts/profile/profile_fp8_bwd.py [d N causal]
+    python scripts/profile/profile_fp8_bwd.py [d N causal [B H H_kv]]
 """
 
 from __future__ import annotations
@@ -33,12 +33,16 @@ def main() -> None:
     args = sys.argv[1:] or ["128", "16384", "0"]
     d, n, causal = int(args[0]), int(args[1]), bool(int(args[2]))
     b, h = max(1, 16384 // n), 2048 // d
-    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    if len(args) > 3:
+        b, h = int(args[3]), int(args[4])
+    hkv = int(args[5]) if len(args) > 5 else h
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
     dout = torch.randn_like(q)
     for fp8 in (False, True):
         out = flash_attn_func(q, k, v, causal=causal, fp8=fp8)
-        kernel_times(f"{'fp8' if fp8 else 'bf16'} backward d={d} N={n} causal={causal}",
+        kernel_times(f"{'fp8' if fp8 else 'bf16'} backward B={b} N={n} H={h}/{hkv} d={d} causal={causal}",
                      lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
 
 

@@ -70,16 +70,22 @@ def test_fp8_backward_plan_walks_causal_longest_first() -> None:
     assert pre.tile_m == post.tile_m == main.tile_m
 
 
-def test_fp8_backward_plan_splits_gqa_groups_only_when_asked() -> None:
-    """``head_split`` in the overrides sends a GQA group's query heads to several CTA rows (partial
-    dK / dV summed by the launcher); the default keeps one row per K/V head."""
-    p = Problem(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, batch=1, num_sms=132,
-                max_seqlen_q=4096, max_seqlen_k=4096, heads_q=32, heads_kv=8)
-    assert not plan(p)[1].split_heads and dispatch.fp8_bwd_head_split(p) == 1
-    asked = (("head_split", 4),)
-    assert plan(p, asked)[1].split_heads and dispatch.fp8_bwd_head_split(p, asked) == 4
+def test_fp8_backward_plan_splits_gqa_groups_that_leave_sms_idle() -> None:
+    """A GQA group's query heads go to several CTA rows (partial dK / dV summed by the launcher)
+    where one row per K/V head gives the grid too few CTAs; many K/V heads keep one row;
+    ``head_split`` in the overrides must divide the group."""
+    def problem(heads_q, heads_kv, n=4096):
+        return Problem(target="sm_90a", dtype="bf16", hdim=128, hdim_v=128, causal=True, batch=1,
+                       num_sms=132, max_seqlen_q=n, max_seqlen_k=n, heads_q=heads_q, heads_kv=heads_kv)
+
+    llama = problem(32, 8)
+    assert plan(llama)[1].split_heads and dispatch.fp8_bwd_head_split(llama) == 4
+    assert dispatch.fp8_bwd_head_split(problem(128, 64, 16384)) == 1
+    assert not plan(problem(16, 16))[1].split_heads
+    asked = (("head_split", 2),)
+    assert plan(llama, asked)[1].split_heads and dispatch.fp8_bwd_head_split(llama, asked) == 2
     with pytest.raises(ValueError, match="divide"):
-        plan(p, (("head_split", 3),))
+        plan(llama, (("head_split", 3),))
 
 
 def _inputs(b=1, nq=150, nk=150, h=4, hkv=2, d=64, seed=0):
