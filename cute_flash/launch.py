@@ -326,7 +326,7 @@ def run_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         ranges = blocks.kernel_ranges(tm, tn, backward=True, group=group, batch=num_batch, heads=k.shape[-2])
     # (Nothing host-side between the preprocess and the main kernel: the sm90 main kernel launches
     # while the preprocess still runs.)
-    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, None, None, cu_seqlens_q, mq)
     dk_main, dv_main = _partial_grads(dk, dv, split) if split > 1 else (dk, dv)
     main(q, k, v, dout, lse2, dsum, dq_acc, dk_main, dv_main, cu_seqlens_q, cu_seqlens_k, sem, scale,
          float(softcap) if softcap > 0 else 0.0, left, right, mk, *mod_args(aux, aux_grads), ranges)
@@ -445,13 +445,11 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     dout = _dense(dout)
     dlse = None if dlse is None else _dense(dlse.float())
     lse2, dsum, dq_acc, sem = alloc_scratch(q8, cfg.tile_m, d, deterministic, num_batch, rows_q, varlen)
-    # Packed dO goes through the rows phase as one batch; its descales then move to padded rows.
-    do8, do_descale = quantize_rows(dout if not varlen else dout.unsqueeze(0))
-    rows_descale = torch.zeros_like(dsum)
+    # The preprocess writes dO in e4m3, one scale per (token, head) row, its descales beside D.
+    do8, rows_descale = torch.empty(dout.shape, dtype=FP8, device=dout.device), torch.empty_like(dsum)
+    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, do8, rows_descale, cu_seqlens_q, mq)
     if varlen:
-        do8, do_descale = do8.squeeze(0), do_descale.squeeze(0)
         starts = padded_starts(cu_seqlens_q, cfg.tile_m)
-        rows_descale.index_copy_(1, padded_rows(cu_seqlens_q, starts, rows_q), do_descale.t())
         # Q^T and dO^T each sequence from its first padded scratch row, in the kernel's query order
         # (whole 16-token chunks: the P~ / dS A fragments need no lane exchange); K^T each sequence
         # from a key-tile start (TMA boxes start on 16 bytes), natural order.
@@ -461,13 +459,11 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
         k8t = token_contiguous_copy_varlen(k8, cu_seqlens_k, mk, padded_starts(cu_seqlens_k, tn),
                                            packed_padded_total(k8.shape[0], num_batch, tn), perm=False)
     else:
-        rows_descale[..., :rows_q] = do_descale.transpose(1, 2)
         # Q^T and dO^T in the kernel's query order (the P~ / dS A fragments need no lane exchange).
         q8t, do8t = (token_contiguous_copy(t, True) for t in (q8, do8))
         k8t = token_contiguous_copy(k8, False)
     scale = float(softmax_scale)
     dk_main, dv_main = _partial_grads(dk, dv, split) if split > 1 else (dk, dv)
-    pre(out, dout, lse, dlse, lse2, dsum, dq_acc, sem, cu_seqlens_q, mq)
     main(q8.contiguous(), k8.contiguous(), v8, do8, q8t, k8t, do8t, lse2, dsum, rows_descale, dq_acc, dk_main,
          dv_main, cu_seqlens_q, cu_seqlens_k, sem, q_descale, k_descale, v_descale, scale, -1, -1, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
@@ -490,13 +486,6 @@ def padded_starts(cu_seqlens: Tensor, tile_m: int) -> Tensor:
     return ((cu + seq * tile_m) // tile_m * tile_m).to(torch.int32)
 
 
-def padded_rows(cu_seqlens: Tensor, starts: Tensor, total: int) -> Tensor:
-    """The padded scratch row of each of the ``total`` packed tokens (no host sync)."""
-    tokens = torch.arange(total, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-    return tokens - cu_seqlens.long()[seq] + starts.long()[seq]
-
-
 @functools.lru_cache(maxsize=512)
 def _fp8_bwd_kernels(p: Problem, overrides: tuple) -> tuple:
     """The main config, the compiled (pre, main, post) kernels and the head split of one FP8
@@ -514,24 +503,6 @@ def _dense(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(x8, descale): x (B, N, H, d) in e4m3 with one scale per (token, head) row, its amax at 448,
-    and the fp32 (B, N, H) descales (all-zero rows: codes 0). On sm90 the quantize kernel's rows
-    phase (one pass), elsewhere PyTorch."""
-    if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
-        x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
-        descale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        rows = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1])[0]
-        jit.compile_kernel(rows)(x, _signs(x.shape[-1], 0, x.device), descale, x8, None, 0, None)
-        return x8, descale
-    # As the kernel: rows below a 1e-30 floor keep codes and descale in the floor's units.
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    top = amax.clamp_min(1e-30)
-    codes = x.float() * (E4M3_MAX / top)
-    descale = torch.where(amax > 0, top / E4M3_MAX, 0.0)
-    return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8), descale.squeeze(-1)
-
-
 def quantize_like(x: Tensor, descale: Tensor, cu_seqlens: Tensor | None = None,
                   max_seqlen: int = 0) -> Tensor:
     """x (B, N, H_kv, d) in e4m3 at the forward's (B, H_kv) descales, natural layout (the dP GEMM
@@ -540,7 +511,7 @@ def quantize_like(x: Tensor, descale: Tensor, cu_seqlens: Tensor | None = None,
     varlen = cu_seqlens is not None
     if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
         x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
-        quant = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1], varlen)[1]
+        quant, = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1], varlen)
         amax = (descale * E4M3_MAX).contiguous()
         if x.shape[0] and (not varlen or max_seqlen):
             jit.compile_kernel(quant)(x, _signs(x.shape[-1], 0, x.device), amax, x8, cu_seqlens, max_seqlen,

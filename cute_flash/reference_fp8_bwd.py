@@ -104,6 +104,17 @@ def _round_grouped(x: torch.Tensor, fmt: str, hkv: int) -> torch.Tensor:
     return round_to(x, fmt, amax)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, descale): x (..., d) in e4m3 with one scale per row, its amax at 448, and the fp32
+    (...) descales, as the FP8 backward's preprocess writes dO: rows below a 1e-30 floor keep
+    codes and descale in the floor's units (all-zero rows: codes and descale 0)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    top = amax.clamp_min(1e-30)
+    codes = x.float() * (E4M3_MAX / top)
+    descale = torch.where(amax > 0, top / E4M3_MAX, 0.0)
+    return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), descale.squeeze(-1)
+
+
 def unrotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """x M^T (``rotate``'s inverse: H / sqrt(d) is symmetric and orthogonal)."""
     signs = hadamard_signs(x.shape[-1], seed).to(device=x.device, dtype=x.dtype)
@@ -199,14 +210,9 @@ def _grads_from_saved(qs, ks, vs, out, lse, dout, dlse, v, recipe: Fp8BwdRecipe,
     row_descale = None
     if recipe.do == "e4m3_row":
         # One scale per (token, head) row of dO (its amax, which the preprocess pass reading dO for
-        # D can take): it factors out of dP = dO V^T by rows, and out of dV = P^T dO through P.
-        # (Rows' amax at 448; rows below a 1e-30 floor in the floor's units, as the kernel.)
-        amax = do.abs().amax(dim=-1, keepdim=True)
-        top = amax.clamp_min(1e-30)
-        row_descale = torch.where(amax > 0, top / E4M3_MAX, 0.0)
-        codes = do * (E4M3_MAX / top)
-        do8 = codes.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        row_descale = row_descale.transpose(1, 2)  # (B, H, N, 1)
+        # D takes): it factors out of dP = dO V^T by rows, and out of dV = P^T dO through P.
+        do8, row_descale = quantize_rows(do)
+        do8, row_descale = do8.float(), row_descale[..., None].transpose(1, 2)  # (B, H, N, 1)
     else:
         do8 = _round_grouped(do, recipe.do, hkv)
     # dP = dO V^T reads V in the format dO has: the forward's V8, or V re-quantized rotated.

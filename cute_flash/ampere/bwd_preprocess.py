@@ -12,7 +12,9 @@ One CTA per (query block, head, batch), ``tile_m`` = the main kernel's query til
 * the padding rows of the tile (past the sequence end) get D = 0 and LSE2 = +inf, so the main
   kernel loads whole tiles unpredicated and those rows contribute exact zeros;
 * the tile's fp32 dQ accumulator chunk is zeroed (and, in deterministic mode, its semaphore),
-  which saves a separate memset launch: the bytes written are the same.
+  which saves a separate memset launch: the bytes written are the same;
+* FP8 backward (``quantize_do``, sm89+): dO also goes out in e4m3, each (token, head) row at 448 /
+  its amax, its descale amax / 448 beside D (0 on padding rows): dO is read once for both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cute_flash import jit
 from cute_flash.device import scratch, warp_mma
 from cute_flash.device.seqlen import SeqlenInfo
 from cute_flash.device.softmax import LOG2_E
+from cute_flash.formats import E4M3_MAX
 
 
 def pre_threads_per_row(hdim_v: int) -> int:
@@ -49,9 +52,13 @@ class FlashBwdPreSm80:
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor | None,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
-                 mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, stream):
+                 mdO8: cute.Tensor | None, mdODescale: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None,
+                 max_seqlen_q: Int32, stream):
+        """``mdO8`` (dO's shape, e4m3) and ``mdODescale`` (D's) with ``quantize_do``, else None."""
         mO, mdO = [warp_mma.to_seq_dim_head(t) for t in (mO, mdO)]
         mLSE, mLSE2, mD, mdQaccum = [warp_mma.lse_to_seq_head(t) for t in (mLSE, mLSE2, mD, mdQaccum)]
+        if cutlass.const_expr(self.cfg.quantize_do):
+            mdO8, mdODescale = warp_mma.to_seq_dim_head(mdO8), warp_mma.lse_to_seq_head(mdODescale)
         if cutlass.const_expr(mdLSE is not None):
             mdLSE = warp_mma.lse_to_seq_head(mdLSE)
         if cutlass.const_expr(mSemaphore is not None):
@@ -63,13 +70,13 @@ class FlashBwdPreSm80:
             num_batch = mO.shape[3]
             seqlen_q = mO.shape[0]
         grid = (cute.ceil_div(seqlen_q, self.tile_m), mO.shape[2], num_batch)
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, mCuSeqlensQ).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mD, mdQaccum, mSemaphore, mdO8, mdODescale,
+                    mCuSeqlensQ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor | None,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mSemaphore: cute.Tensor | None,
-               mCuSeqlensQ: cute.Tensor | None):
+               mdO8: cute.Tensor | None, mdODescale: cute.Tensor | None, mCuSeqlensQ: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.cfg.launch_dependents):
@@ -78,7 +85,9 @@ class FlashBwdPreSm80:
         seqlen = SeqlenInfo(batch, mO.shape[0], mO.shape[0], mCuSeqlensQ, None)
         # Varlen grids are sized by the longest sequence; blocks past this one's end own no rows.
         if m_block * self.tile_m < seqlen.seqlen_q:
-            self.rowsum_dO_O(mO, mdO, mLSE, mdLSE, mLSE2, mD, seqlen, tidx, m_block, head, batch)
+            rdO = self.rowsum_dO_O(mO, mdO, mLSE, mdLSE, mLSE2, mD, seqlen, tidx, m_block, head, batch)
+            if cutlass.const_expr(self.cfg.quantize_do):
+                self.quantize_dO(rdO, mdO8, mdODescale, seqlen, tidx, m_block, head, batch)
             self.clear_accumulators(mdQaccum, mSemaphore, seqlen, tidx, m_block, head, batch)
 
     @cute.jit
@@ -139,6 +148,42 @@ class FlashBwdPreSm80:
                     if row < rows_left:
                         d = d - gdLSE[row]
                 gD[row] = d
+        return rdO
+
+    @cute.jit
+    def quantize_dO(self, rdO, mdO8, mDescale, seqlen: SeqlenInfo, tidx, m_block, head, batch):
+        """The loaded dO rows (zeros past the sequence) in e4m3 at 448 / each row's amax, as
+        ``launch.quantize_rows``: a floor of 1e-30 for all-zero rows, whose codes and descale are 0."""
+        tile = (self.tile_m, self.hdim_v)
+        copy8 = warp_mma.r2g_narrow_tiled_copy(cutlass.Float8E4M3FN, self.dtype, self.hdim_v,
+                                               self.num_threads)
+        thr = copy8.get_slice(tidx)
+        tgdO8 = thr.partition_D(cute.local_tile(seqlen.q_rows(mdO8, head, batch), tile, (m_block, 0)))
+        tc = thr.partition_D(cute.make_identity_tensor(tile))
+        gDescale = cute.local_tile(scratch.scratch_rows(mDescale, seqlen, head, batch, self.tile_m),
+                                   (self.tile_m,), (m_block,))
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        num_rows = cute.size(tgdO8, mode=[1])
+        tops = cute.make_rmem_tensor(num_rows, Float32)
+        for m in cutlass.range_constexpr(num_rows):
+            x = cute.make_rmem_tensor_like(rdO[None, m, None], Float32)
+            x.store(rdO[None, m, None].load().to(Float32))
+            amax = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(x)):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(x[j], -x[j]))
+            amax = cute.arch.warp_reduction(amax, lambda a, b: cute.arch.fmax(a, b),
+                                            threads_in_group=self.threads_per_row)
+            tops[m] = amax
+            top = cute.arch.fmax(amax, Float32(1e-30))
+            q8 = cute.make_rmem_tensor_like(tgdO8[None, m, None], cutlass.Float8E4M3FN)
+            q8.store((x.load() * (Float32(E4M3_MAX) / top)).to(cutlass.Float8E4M3FN))
+            if tc[0, m, 0][0] < rows_left:
+                cute.copy(copy8, q8, tgdO8[None, m, None])
+        if tc[0, 0, 0][1] == 0:
+            for m in cutlass.range_constexpr(num_rows):
+                kept = cutlass.select_(tops[m] > Float32(0.0), cute.arch.fmax(tops[m], Float32(1e-30)),
+                                       Float32(0.0))
+                gDescale[tc[0, m, 0][0]] = kept / Float32(E4M3_MAX)
 
     @cute.jit
     def clear_accumulators(self, mdQaccum, mSemaphore, seqlen: SeqlenInfo, tidx, m_block, head, batch):

@@ -154,8 +154,14 @@ class BwdPreConfig(jit.KernelConfig):
     launch_dependents: bool = False
     # Threads per CTA (each loads 16 bytes per copy; rows of threads must tile ``tile_m``).
     threads: int = 128
+    # FP8 backward: dO also written in e4m3 with one scale per row (sm89+ conversions).
+    quantize_do: bool = False
 
     kernel_name = "bwd_pre_sm80"
+
+    def __post_init__(self) -> None:
+        if self.quantize_do and self.target == "sm_80":
+            raise ValueError("backward preprocess: quantize_do needs e4m3 conversions (sm89+)")
 
     def build(self):
         from cute_flash.ampere.bwd_preprocess import FlashBwdPreSm80
@@ -168,22 +174,26 @@ class BwdPreConfig(jit.KernelConfig):
         h = jit.sym()
         if self.varlen:
             tq, b1 = jit.sym(), jit.sym()
-            o = jit.fake_tensor(dt, (tq, h, self.hdim_v), divisibility=div)
-            do = jit.fake_tensor(dt, (tq, h, self.hdim_v), divisibility=div)
+            rows_shape = (tq, h, self.hdim_v)
             lse = jit.fake_tensor(cutlass.Float32, (h, tq), divisibility=1)
             cu_q = jit.fake_tensor(cutlass.Int32, (b1,), leading_dim=0)
             b = None
         else:
             b, nq = jit.sym(), jit.sym()
-            o = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=div)
-            do = jit.fake_tensor(dt, (b, nq, h, self.hdim_v), divisibility=div)
+            rows_shape = (b, nq, h, self.hdim_v)
             lse = jit.fake_tensor(cutlass.Float32, (b, h, nq), divisibility=1)
             cu_q = None
+        o, do = (jit.fake_tensor(dt, rows_shape, divisibility=div) for _ in range(2))
         dlse = None
         if self.dlse:
             dlse = jit.fake_tensor(cutlass.Float32, (h, tq) if self.varlen else (b, h, nq), divisibility=1)
         lse2, d, dq_acc, sem = signatures.scratch_fakes(self.varlen, h, b, self.deterministic)
-        return (o, do, lse, dlse, lse2, d, dq_acc, sem, cu_q, cutlass.Int32(0), jit.fake_stream())
+        do8 = descale = None
+        if self.quantize_do:
+            do8 = jit.fake_tensor(cutlass.Float8E4M3FN, rows_shape, divisibility=16)
+            descale = signatures.scratch_fakes(self.varlen, h, b, False)[1]
+        return (o, do, lse, dlse, lse2, d, dq_acc, sem, do8, descale, cu_q, cutlass.Int32(0),
+                jit.fake_stream())
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,15 @@ def r2g_tiled_copy(dtype, cols: int, num_threads: int, chunk: int = 0):
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
 
+def r2g_narrow_tiled_copy(out_dtype, dtype, cols: int, num_threads: int):
+    """``r2g_tiled_copy(dtype, ...)``'s thread-to-element map with the elements stored as the
+    narrower ``out_dtype`` (8 e4m3 of 8 bf16: one 8-byte store), for a copy converted in registers."""
+    thr, elems = _thread_layout(cols, num_threads, dtype)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype,
+                               num_bits_per_copy=elems * out_dtype.width)
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+
 def warp_tiled_mma(dtype, num_warps: int, atom_layout=None, perm_n: int = 16):
     """mma.sync m16n8k16 with fp32 accumulators, warps stacked along M (split-Q: each warp owns
     whole rows). The N permutation of 16 pairs two n8 atoms so one x4 ldmatrix feeds both."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import cutlass
 
 from cute_flash import jit, signatures
+from cute_flash.ampere.config import BwdPreConfig
 from cute_flash.formats import FP8_BWD_HDIMS
 from cute_flash.hopper.bwd_config import SM90_BWD_LPT_BALANCED, BwdSm90Config, head_split
 from cute_flash.problem import Problem
@@ -56,6 +57,10 @@ class BwdSm90Fp8Config(BwdSm90Config):
 
         tiles = 4 * r(st * tm * d) + 3 * r(tn * d) + r(tm * tn) + r(2 * tn * d)
         return 1024 + tiles + 3 * st * tm * 4 + tm * d * 4 + 256
+
+    def pre(self, dlse: bool = False) -> BwdPreConfig:
+        """The 16-bit preprocess, which also writes dO in e4m3 with its per-row descales."""
+        return dataclasses.replace(super().pre(dlse), quantize_do=True)
 
     def build(self):
         from cute_flash.hopper.bwd_fp8 import FlashBwdSm90Fp8

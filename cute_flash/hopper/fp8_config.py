@@ -188,8 +188,7 @@ assert SM90_SMEM_LIMIT >= FwdSm90Fp8Config(target="sm_90a", hdim=256, hdim_v=256
 @dataclass(frozen=True)
 class QuantizeConfig(jit.KernelConfig):
     """One phase (``amax`` or ``quant``) of quantizing one of Q, K (``rotate``) or V
-    (``transpose``: sequence-contiguous output), ``rows`` tokens of one head per CTA; or ``rows``:
-    one scale per (token, head) row, its descale written beside (the FP8 backward's dO)."""
+    (``transpose``: sequence-contiguous output), ``rows`` tokens of one head per CTA."""
 
     dtype: str = "bf16"
     hdim: int = 128
@@ -214,10 +213,8 @@ class QuantizeConfig(jit.KernelConfig):
     def __post_init__(self) -> None:
         if self.hdim not in QUANT_HDIMS:
             raise ValueError(f"quantize: head dim {self.hdim} not in {QUANT_HDIMS}")
-        if self.phase not in ("amax", "quant", "rows"):
-            raise ValueError(f"quantize: phase must be amax, quant or rows, got {self.phase!r}")
-        if self.phase == "rows" and (self.rotate or self.transpose or self.varlen):
-            raise ValueError("quantize: the rows phase (one scale per row) is dense, unrotated, row-major")
+        if self.phase not in ("amax", "quant"):
+            raise ValueError(f"quantize: phase must be amax or quant, got {self.phase!r}")
         if self.rotate and self.transpose:
             raise ValueError("quantize: V (the transposed output) is not rotated")
         if self.v_perm and not (self.transpose and self.phase == "quant"):
@@ -264,8 +261,7 @@ class QuantizeConfig(jit.KernelConfig):
             return x, signs, amax, out, cu, cutlass.Int32(0), cu_out, jit.fake_stream()
         b, n = jit.sym(), jit.sym()
         x = jit.fake_tensor(dt, (b, n, h, d), divisibility=jit.vec_div(dt))
-        # (The rows phase writes one descale per (batch, token, head) row there.)
-        amax = jit.fake_tensor(cutlass.Float32, (b, n, h) if self.phase == "rows" else (b, hkv))
+        amax = jit.fake_tensor(cutlass.Float32, (b, hkv))
         if self.transpose:
             # (B, H_kv, d, N_pad) storage, N_pad a multiple of 16 (16-byte rows for the stores
             # here and for the attention kernel's TMA).
@@ -300,14 +296,13 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
 
 
 def bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[QuantizeConfig]:
-    """The FP8 backward's quantize kernels: dO with one scale per row (the rows phase; packed dO
-    goes through it as one batch), and V again at the forward's descales in natural layout (the
-    quant phase, unrotated; ``varlen``: packed V, per-sequence descales)."""
+    """The FP8 backward's quantize kernel: V again at the forward's descales in natural layout
+    (the quant phase, unrotated; ``varlen``: packed V, per-sequence descales). (dO goes to e4m3 in
+    the backward's preprocess.)"""
     lanes = qk_lanes_per_row(hdim)
     fields = {} if lanes == 32 else dict(lanes_per_row=lanes, rows=max(64, 16 * 32 // lanes))
-    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase=phase,
-                           varlen=varlen and phase == "quant", **fields)
-            for phase in ("rows", "quant")]
+    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase="quant", varlen=varlen,
+                            **fields)]
 
 
 def plan(p: Problem, v_perm: bool = False, overrides: tuple = ()) -> FwdSm90Fp8Config:

@@ -99,11 +99,9 @@ class QuantizeSm90:
         n_block, head, batch = cute.arch.block_idx()  # batch: the sequence, when varlen
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
-        amax_ptr = None
-        if cutlass.const_expr(self.phase != "rows"):
-            # GQA: the scale of query head h is its kv head's, h // (H / H_kv).
-            head_kv = head // (mX.shape[2] // mAmax.shape[1])
-            amax_ptr = mAmax.iterator + cute.crd2idx((batch, head_kv), mAmax.layout)
+        # GQA: the scale of query head h is its kv head's, h // (H / H_kv).
+        head_kv = head // (mX.shape[2] // mAmax.shape[1])
+        amax_ptr = mAmax.iterator + cute.crd2idx((batch, head_kv), mAmax.layout)
         signs = self.lane_signs(mSigns, self.sub_lane(lane))
         if cutlass.const_expr(self.varlen):
             seq = SeqlenInfo(batch, mX.shape[0], mX.shape[0], mCuSeqlens)
@@ -114,8 +112,6 @@ class QuantizeSm90:
             # The grid is sized by the longest sequence: shorter ones leave CTAs with no rows.
             if n_block * self.rows < seq.seqlen_q:
                 self.run_phase(mX, mOut, signs, amax_ptr, at, seq.seqlen_q, n_block, tidx, warp, lane)
-        elif cutlass.const_expr(self.phase == "rows"):
-            self.quant_rows_scaled(mX, mAmax, mOut, (head, batch, None), mX.shape[0], n_block, warp, lane)
         else:
             at = (head, batch, None)
             self.run_phase(mX, mOut, signs, amax_ptr, at, mX.shape[0], n_block, tidx, warp, lane)
@@ -259,38 +255,6 @@ class QuantizeSm90:
                     q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
                     q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))  # cvt.rn.satfinite.e4m3x2
                     cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (sub,)))
-
-    @cute.jit
-    def quant_rows_scaled(self, mX, mDescale, mOut, at: tuple, seqlen: Int32, n_block: Int32, warp: Int32,
-                          lane: Int32):
-        """The rows phase: each row at 448 / its own amax (a butterfly max over the row's lanes),
-        its descale amax / 448 into ``mDescale`` (B, N, H) by the row's first lane."""
-        sub = self.sub_lane(lane)
-        head, batch = at[0], at[1]
-        for r in cutlass.range(self.rows // (self.row_step * ROWS_IN_FLIGHT), unroll=1):
-            n0 = self.first_row(n_block, r, warp, lane)
-            raws = self.load_rows(mX, n0, seqlen, at, sub)
-            for i in cutlass.range_constexpr(ROWS_IN_FLIGHT):
-                n = n0 + i * self.row_step
-                y = self.rotate_row(raws[i], sub, None)
-                m = Float32(0.0)
-                for j in cutlass.range_constexpr(self.per_lane):
-                    m = cute.arch.fmax(m, cute.arch.fmax(y[j], -y[j]))
-                off = 1
-                while off < self.lanes:  # (the row's lanes are adjacent: xor stays inside them)
-                    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=off))
-                    off *= 2
-                # (A floor for all-zero rows, whose codes are 0 and descale 0; rows below it keep
-                # codes and descale in the floor's units, so the two still agree.)
-                top = cute.arch.fmax(m, Float32(1e-30))
-                scale = Float32(E4M3_MAX) / top
-                if n < seqlen:
-                    q8 = cute.make_rmem_tensor(self.per_lane, cutlass.Float8E4M3FN)
-                    q8.store((y.load() * scale).to(cutlass.Float8E4M3FN))
-                    cute.autovec_copy(q8, cute.local_tile(self.row(mOut, n, at), (self.per_lane,), (sub,)))
-                    if sub == 0:
-                        kept = cutlass.select_(m > Float32(0.0), top, Float32(0.0))
-                        mDescale[batch, n, head] = kept / Float32(E4M3_MAX)
 
     @cute.jit
     def stage_row(self, raw, sT, row: Int32, scale: Float32, lane: Int32):

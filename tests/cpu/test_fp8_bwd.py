@@ -18,7 +18,7 @@ from cute_flash.formats import E4M3_MAX
 from cute_flash.hopper.bwd_fp8_config import BwdSm90Fp8Config, plan
 from cute_flash.problem import Problem
 from cute_flash.reference_fp8 import rotate
-from cute_flash.reference_fp8_bwd import KERNEL_RECIPE, attention_fp8_bwd_ref, exact_grads
+from cute_flash.reference_fp8_bwd import KERNEL_RECIPE, attention_fp8_bwd_ref, exact_grads, quantize_rows
 from cute_flash.tools import inspect as ins
 
 FAST = BwdSm90Fp8Config(target="sm_90a", hdim=128, causal=True)
@@ -124,7 +124,7 @@ def test_quantize_rows_puts_each_rows_amax_at_448() -> None:
     x = torch.randn(2, 33, 3, 64, dtype=torch.bfloat16) * torch.logspace(-3, 3, 33)[None, :, None, None]
     x[0, 5, 1] = 0
     x[1, 2, 0] *= 2e-29  # amax ~1e-31, below the scale's floor: codes and descale in its units
-    x8, descale = launch.quantize_rows(x)
+    x8, descale = quantize_rows(x)
     assert x8.dtype == torch.float8_e4m3fn and descale.shape == (2, 33, 3)
     assert (x8.float().abs().amax(-1)[x.float().abs().amax(-1) >= 1e-30] == E4M3_MAX).all()
     assert (x8[0, 5, 1].float() == 0).all()
@@ -138,14 +138,24 @@ def test_unrotate_undoes_the_forward_rotation() -> None:
     assert torch.allclose(y, x, atol=1e-5)
 
 
-def test_row_scaled_quantize_kernel_compiles_and_refuses_rotation() -> None:
+def test_fp8_backward_preprocess_quantizes_do_and_sm80_cannot() -> None:
+    """The FP8 backward's preprocess writes dO in e4m3 (cvt.rn.satfinite, 8-byte stores) with no
+    spills, dense and packed; the only other quantize kernel is V's, unrotated in natural layout;
+    sm80 has no e4m3 conversions."""
+    from cute_flash.ampere.config import BwdPreConfig
     from cute_flash.hopper.fp8_config import QuantizeConfig, bwd_quant_configs
 
-    rows, quant = bwd_quant_configs("bf16", 128)
-    assert rows.phase == "rows" and not quant.rotate and not quant.transpose
-    assert jit.spill_bytes(rows) == 0
-    with pytest.raises(ValueError, match="rows phase"):
-        QuantizeConfig(target="sm_90a", hdim=128, rotate=True, phase="rows")
+    for varlen in (False, True):
+        pre = BwdSm90Fp8Config(target="sm_90a", dtype="bf16", hdim=64, varlen=varlen).pre()
+        assert pre.quantize_do and jit.spill_bytes(pre) == 0
+        ptx = jit.compile_artifacts(pre)[0]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "st.global.v2.b32" in ptx
+    quant, = bwd_quant_configs("bf16", 128)
+    assert quant.phase == "quant" and not quant.rotate and not quant.transpose
+    with pytest.raises(ValueError, match="phase"):
+        QuantizeConfig(target="sm_90a", hdim=128, rotate=False, phase="rows")
+    with pytest.raises(ValueError, match="sm89"):
+        BwdPreConfig(target="sm_80", quantize_do=True)
 
 
 def test_opcheck_fp8_backward_op() -> None:
@@ -212,16 +222,14 @@ def test_fp8_true_varlen_backward_is_each_sequence_alone_on_cpu(causal: bool) ->
             assert torch.equal(g[lo:hi], a[0])
 
 
-def test_padded_rows_follow_the_scratch_layout() -> None:
-    """The launcher's padded rows of packed tokens (dO's descales, Q^T / dO^T) are the kernels':
-    sequence s from (cu[s] + s tile_m) // tile_m * tile_m on, tile-aligned, in order, disjoint."""
+def test_padded_starts_follow_the_scratch_layout() -> None:
+    """Sequence s of a pack starts at (cu[s] + s tile_m) // tile_m * tile_m in the padded scratch
+    rows (and the FP8 backward's Q^T / dO^T): tile-aligned, in order, disjoint, inside the total."""
     cu = torch.tensor([0, 37, 37, 107, 300], dtype=torch.int32)
     starts = launch.padded_starts(cu, 64)
-    rows = launch.padded_rows(cu, starts, 300)
     assert starts.tolist() == [0, 64, 128, 256, 512]
-    assert rows[:37].tolist() == list(range(37)) and rows[37:107].tolist() == list(range(128, 198))
-    assert rows[107:].tolist() == list(range(256, 449))
-    assert len(set(rows.tolist())) == 300
+    ends = starts[:-1] + (cu[1:] - cu[:-1])
+    assert (ends <= starts[1:]).all() and starts[-1] <= launch.packed_padded_total(300, 4, 64)
 
 
 def test_opcheck_fp8_varlen_backward_op() -> None:

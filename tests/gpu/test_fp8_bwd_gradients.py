@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func, launch
-from cute_flash.reference_fp8_bwd import KERNEL_RECIPE, attention_fp8_bwd_ref, exact_grads
+from cute_flash.reference_fp8_bwd import KERNEL_RECIPE, attention_fp8_bwd_ref, exact_grads, quantize_rows
 
 from attention_checks import needs_hopper
 
@@ -102,21 +102,49 @@ def test_fp8_backward_takes_broadcast_gradients() -> None:
         assert _rel_rmse(t.grad, t64.grad) < 0.25  # (FP8: ~0.07; a wrong read: ~1)
 
 
-def test_do_row_quantize_kernel_matches_its_descales() -> None:
-    """The rows phase (dO per (token, head) row): each row's amax at 448 with the descale it
-    writes, rows far below fp32's normal range and all-zero rows included (codes 0, descale 0)."""
-    x = torch.randn(2, 70, 3, 128, device="cuda") * torch.logspace(-4, 4, 70, device="cuda")[:, None, None]
-    x[0, 3, 1] *= 1.5e-28  # amax ~1e-31: below the kernel's floor (1e-30)
-    x[1, 5, 2] = 0
-    x = x.bfloat16()
-    x8, descale = launch.quantize_rows(x)
-    ref8, ref_descale = launch.quantize_rows(x.cpu())
-    back = x8.float() * descale[..., None]
+@pytest.mark.parametrize("lens", [[70, 70], [70, 1, 130]], ids=["dense", "packed"])
+def test_fp8_preprocess_writes_do_rows_at_their_amax(lens) -> None:
+    """The FP8 backward's preprocess writes dO in e4m3, each (token, head) row's amax at 448, its
+    descale in the padded scratch rows (as ``quantize_rows``), rows far below fp32's normal range
+    and all-zero rows included (codes 0, descale 0), and D = rowsum(dO O) beside."""
+    from cute_flash import jit
+    from cute_flash.hopper.bwd_fp8_config import BwdSm90Fp8Config
+
+    torch.manual_seed(len(lens))
+    varlen, h, d, total = len(lens) == 3, 3, 128, sum(lens)
+    scale = torch.logspace(-4, 4, total, device="cuda")[:, None, None]
+    x = (torch.randn(total, h, d, device="cuda") * scale).bfloat16()
+    x[3, 1] = (x[3, 1].float() * 1.5e-28).bfloat16()  # amax ~1e-31: below the floor (1e-30)
+    x[5, 2] = 0
+    out = torch.randn_like(x)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    if not varlen:
+        x, out = x.view(2, 70, h, d), out.view(2, 70, h, d)
+    lse = torch.randn((h, total) if varlen else (2, h, 70), device="cuda")
+    cfg = BwdSm90Fp8Config(target=None, dtype="bf16", hdim=d, varlen=varlen)
+    lse2, dsum, dq_acc, _ = launch.alloc_scratch(x, cfg.tile_m, d, False, len(lens), total if varlen else 70,
+                                                 varlen)
+    do8 = torch.full(x.shape, float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    descale = torch.full_like(dsum, float("nan"))
+    jit.compile_kernel(cfg.pre())(out, x, lse, None, lse2, dsum, dq_acc, None, do8, descale,
+                                  cu if varlen else None, 130 if varlen else 70)
+    if varlen:  # token t of sequence s at scratch row starts[s] + (t - cu[s])
+        starts = launch.padded_starts(cu, cfg.tile_m).long()
+        seq = torch.searchsorted(cu[1:].long(), torch.arange(total, device="cuda"), right=True)
+        rows = torch.arange(total, device="cuda") - cu.long()[seq] + starts[seq]
+        got_descale, got_d = descale[:, rows].t(), dsum[:, rows].t()
+    else:
+        got_descale, got_d = (t[..., :70].transpose(1, 2) for t in (descale, dsum))
+    ref8, ref_descale = quantize_rows(x.cpu())
+    back = do8.float() * got_descale[..., None]
     amax = x.float().abs().amax(-1, keepdim=True)
     assert ((back - x.float()).abs() <= amax / 16).all()
     normal = amax.squeeze(-1).cpu() > 1e-30
-    assert torch.allclose(descale.cpu()[normal], ref_descale[normal], rtol=1e-6, atol=0)
-    assert not x8[1, 5, 2].float().any() and descale[1, 5, 2] == 0
+    assert torch.allclose(got_descale.cpu()[normal], ref_descale[normal], rtol=1e-6, atol=0)
+    assert (do8.float().cpu() - ref8.float()).abs().le(ref8.float().abs() / 8 + 2 ** -9).all()  # (1 ulp)
+    zero = (5, 2) if varlen else (0, 5, 2)
+    assert not do8[zero].float().any() and got_descale[zero] == 0
+    assert torch.allclose(got_d, (x.float() * out.float()).sum(-1), rtol=1e-4, atol=1e-3)
 
 
 def test_fp8_backward_rotation_is_undone() -> None:
