@@ -9,6 +9,7 @@ Hopper GPU takes the sm90 kernels wherever they cover the problem; ``CUTE_FLASH_
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -182,10 +183,11 @@ def fp8_bwd_head_split(p: Problem, overrides: tuple = ()) -> int:
     return sm90_bwd.head_split(p, overrides)
 
 
-def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[jit.KernelConfig]:
-    """The FP8 backward's quantize kernels: dO per row, V at its descales (natural layout;
-    ``varlen``: packed, one descale per sequence)."""
-    return fp8.bwd_quant_configs(dtype, hdim, varlen)
+@functools.cache  # (per call of the backward: its validation costs host time)
+def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> tuple[jit.KernelConfig, ...]:
+    """The FP8 backward's quantize kernel: V at its descales (natural layout; ``varlen``: packed,
+    one descale per sequence)."""
+    return tuple(fp8.bwd_quant_configs(dtype, hdim, varlen))
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,
@@ -194,6 +196,7 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, var
     return fp8.quant_configs(dtype, hdim, rotate, v_perm=v_perm, varlen=varlen, v_aligned=v_aligned)
 
 
+@functools.cache
 def relayout_v_config(hdim: int, v_perm: bool, varlen: bool) -> jit.KernelConfig:
     """The V quantize kernel at scale 1 on e4m3 input: a caller's V into the FP8 kernel's layout
     (packed sequences each from the 16-aligned start the caller gives)."""

@@ -234,7 +234,7 @@ def _partial_grads(dk: Tensor, dv: Tensor, split: int) -> tuple[Tensor, Tensor]:
             torch.empty(*lead, hkv * split, dv.shape[-1], dtype=dv.dtype, device=dv.device))
 
 
-def _sum_partials(parts: tuple[Tensor, Tensor], grads: tuple[Tensor, Tensor], split: int) -> None:
+def _sum_partials(parts: tuple[Tensor, ...], grads: tuple[Tensor, ...], split: int) -> None:
     """dK / dV from their partials (in the gradients' dtype), summed in fp32 in a fixed order
     (deterministic mode holds)."""
     for part, grad in zip(parts, grads, strict=True):
@@ -419,11 +419,13 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
                 v_descale: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float, causal: bool,
                 deterministic: bool = False, dlse: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
                 cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
-                max_seqlen_k: int | None = None, **overrides) -> tuple[Tensor, Tensor, Tensor]:
+                max_seqlen_k: int | None = None, rotation_seed: int | None = None,
+                **overrides) -> tuple[Tensor, Tensor, Tensor]:
     """The FP8 backward on what the FP8 forward saved (e4m3 ``q8`` / ``k8`` (B, N, H, d), the
     16-bit ``v`` (B, N, H_kv, d) it quantized, the (B, H_kv) descales, ``out`` and ``lse``), with
-    ``dout`` in O's dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8 (rotated
-    where they are). V goes to e4m3 again at its descale, in natural layout.
+    ``dout`` in O's dtype: returns (dq, dk, dv) in that dtype, in the units of q8 / k8, or with
+    ``rotation_seed`` (q8 / k8 rotated with it) in the input's (``unrotate``). V goes to e4m3 again
+    at its descale, in natural layout.
     dO is quantized per (token, head) row; Q, K and dO also go token-contiguous for the GEMMs that
     contract over tokens (fp8 wgmma reads K-major operands only). Packed sequences: (T, H, d)
     tensors, ``lse`` (H, T_q), (S, H_kv) descales and ``cu_seqlens_q`` / ``_k`` (checked)."""
@@ -468,7 +470,12 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
          dv_main, cu_seqlens_q, cu_seqlens_k, sem, q_descale, k_descale, v_descale, scale, -1, -1, mk)
     post(dq_acc, dq, cu_seqlens_q, scale, mq)
     if split > 1:
-        _sum_partials((dk_main, dv_main), (dk, dv), split)
+        _sum_partials((dv_main,), (dv,), split)
+        if rotation_seed is None:
+            _sum_partials((dk_main,), (dk,), split)
+    if rotation_seed is not None:
+        # (Split groups: dK's partials summed by the unrotation GEMM itself, in fp32.)
+        dq, dk = unrotate(dq, rotation_seed), unrotate(dk_main, rotation_seed, split)
     return dq, dk, dv
 
 
@@ -527,12 +534,25 @@ def quantize_like(x: Tensor, descale: Tensor, cu_seqlens: Tensor | None = None,
     return codes.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
+_UNIT_AMAX: dict[tuple, Tensor] = {}
+
+
+def _unit_amax(rows: int, heads: int, device: torch.device) -> Tensor:
+    """A (rows, heads) fp32 amax of 448 (the quantize kernel's scale 1, a re-layout): the leading
+    rows of one kept tensor per (heads, device, power of two), not a fill on every call (read only;
+    never freed, so no stream can still be reading freed memory)."""
+    key = (heads, device, max(rows - 1, 0).bit_length())
+    if key not in _UNIT_AMAX:
+        _UNIT_AMAX[key] = torch.full((1 << key[2], heads), E4M3_MAX, device=device, dtype=torch.float32)
+    return _UNIT_AMAX[key][:rows]
+
+
 def token_contiguous_copy(x8: Tensor, perm: bool) -> Tensor:
     """An e4m3 (B, N, H, d) tensor as a (B, N, H, d) view over (B, H, d, N_pad) storage, the tokens
     contiguous (N_pad a multiple of 16: TMA strides; the view's extent N, so boxes past it read
     zeros), or with ``perm`` each 16 tokens in ``formats.V_PERM16`` order and the whole N_pad
     storage (padding zeros) as the view: ``relayout_v``'s kernel."""
-    store = relayout_v(x8, v_perm=perm)
+    store = _relayout_v(x8, v_perm=perm)
     return (store if perm else store[..., :x8.shape[1]]).permute(0, 3, 1, 2)
 
 
@@ -546,7 +566,7 @@ def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int
     store = torch.zeros(h, d, total, device=x8.device, dtype=x8.dtype)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs and max_seqlen and t:
-        unit = torch.full((num_seqs, h), E4M3_MAX, device=x8.device, dtype=torch.float32)
+        unit = _unit_amax(num_seqs, h, x8.device)
         cfg = dispatch.relayout_v_config(d, v_perm=perm, varlen=True)
         jit.compile_kernel(cfg)(x8.contiguous(), _signs(d, 0, x8.device), unit, store, cu_seqlens, max_seqlen,
                                 starts)
@@ -556,21 +576,23 @@ def token_contiguous_copy_varlen(x8: Tensor, cu_seqlens: Tensor, max_seqlen: int
 _UNROTATE: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def unrotate(x: Tensor, seed: int) -> Tensor:
-    """x M^T for the forward's rotation M = D H / sqrt(d) (``reference_fp8.rotate``): one d x d
-    GEMM in x's dtype with fp32 accumulation against the +-1 matrix H D (exact in 16 bit, made
-    once per (d, seed, device)), 1 / sqrt(d) applied as the GEMM's alpha: in fp32 before the one
-    rounding (a 16-bit 1 / sqrt(d) in the matrix would scale every gradient by its rounding
-    error), with no second pass."""
+def unrotate(x: Tensor, seed: int, split: int = 1) -> Tensor:
+    """x M^T for the forward's rotation M = D H / sqrt(d) (``reference_fp8.rotate``): one GEMM in
+    x's dtype with fp32 accumulation against the +-1 matrix H D (exact in 16 bit, made once per
+    (d, seed, device)), 1 / sqrt(d) applied as the GEMM's alpha: in fp32 before the one rounding
+    (a 16-bit 1 / sqrt(d) in the matrix would scale every gradient by its rounding error).
+    ``split``: x (..., H * split, d) holds ``split`` adjacent partial sums per head, which the same
+    GEMM adds (its K dimension spans them: (rows, split d) @ (split d, d))."""
     d = x.shape[-1]
-    key = (d, int(seed), x.device, x.dtype)
+    key = (d, int(seed), x.device, x.dtype, split)
     if key not in _UNROTATE:
         signed = reference_fp8.hadamard_matrix(d) * formats.hadamard_signs(d, seed).double()
-        _UNROTATE[key] = (signed.to(device=x.device, dtype=x.dtype), torch.zeros((), device=x.device,
-                                                                                  dtype=x.dtype))
+        _UNROTATE[key] = (signed.repeat(split, 1).to(device=x.device, dtype=x.dtype),
+                          torch.zeros((), device=x.device, dtype=x.dtype))
     matrix, zero = _UNROTATE[key]
-    rows = x.reshape(-1, d)
-    return torch.addmm(zero, rows, matrix, beta=0, alpha=d ** -0.5).view(x.shape)
+    rows = x.reshape(-1, split * d)
+    out = torch.addmm(zero, rows, matrix, beta=0, alpha=d ** -0.5)
+    return out.view(*x.shape[:-2], x.shape[-2] // split, d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,11 +687,16 @@ def relayout_v(v8: Tensor, v_perm: bool = True) -> Tensor:
     padding zeros: the V quantize kernel with scale 1 (e4m3 -> fp32 -> e4m3 is exact), whose smem
     transpose writes 16 tokens per store (a torch byte permute runs at ~90 GB/s)."""
     validate.check_relayout_v(v8, varlen=False)
+    return _relayout_v(v8, v_perm)
+
+
+def _relayout_v(v8: Tensor, v_perm: bool) -> Tensor:
+    """``relayout_v`` on a checked e4m3 tensor."""
     b, nk, hkv, d = v8.shape
     if v8.stride(-1) != 1 or any(st % 16 for st in v8.stride()[:-1]):
         v8 = v8.contiguous()  # 16-byte rows for the kernel's vector loads
     store = torch.empty(b, hkv, d, (nk + 15) // 16 * 16, device=v8.device, dtype=v8.dtype)
-    unit = torch.full((b, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+    unit = _unit_amax(b, hkv, v8.device)
     cfg = dispatch.relayout_v_config(d, v_perm=v_perm, varlen=False)
     jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, None, 0, None)
     return store
@@ -690,7 +717,7 @@ def relayout_v_varlen(v8: Tensor, cu_seqlens_k: Tensor, max_seqlen_k: int) -> tu
     store = torch.zeros(hkv, d, t_v, device=v8.device, dtype=v8.dtype)
     num_seqs = cu_seqlens_k.shape[0] - 1
     if num_seqs and max_seqlen_k and t:
-        unit = torch.full((num_seqs, hkv), E4M3_MAX, device=v8.device, dtype=torch.float32)
+        unit = _unit_amax(num_seqs, hkv, v8.device)
         cfg = dispatch.relayout_v_config(d, v_perm=False, varlen=True)
         jit.compile_kernel(cfg)(v8, _signs(d, 0, v8.device), unit, store, cu_seqlens_k, max_seqlen_k, cu_v)
     return store.permute(2, 0, 1), cu_v

@@ -286,10 +286,9 @@ def bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tensor, 
 @bwd_fp8.register_kernel("cuda")
 def _(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse, dlse, softmax_scale, causal, seed,
       deterministic):
-    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
-                                    softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
-                                    dlse=dlse)
-    return launch.unrotate(dq, seed), launch.unrotate(dk, seed), dv
+    return launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
+                              softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                              dlse=dlse, rotation_seed=seed)
 
 
 @bwd_fp8.register_fake
@@ -389,11 +388,10 @@ def varlen_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, cu_seqlens_q
 def _(dout, q8, k8, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale,
       v_descale, out, lse, dlse, softmax_scale, causal, seed, deterministic):
     _check_cu_data(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv = launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
-                                    softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
-                                    dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return launch.unrotate(dq, seed), launch.unrotate(dk, seed), dv
+    return launch.run_bwd_fp8(dout, q8, k8, v, q_descale, k_descale, v_descale, out, lse,
+                              softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                              dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, rotation_seed=seed)
 
 
 @varlen_bwd_fp8.register_fake

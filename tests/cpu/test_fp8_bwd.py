@@ -138,6 +138,16 @@ def test_unrotate_undoes_the_forward_rotation() -> None:
     assert torch.allclose(y, x, atol=1e-5)
 
 
+def test_unrotate_sums_a_split_groups_partials() -> None:
+    """dK's partials of a split GQA group (adjacent per K/V head) unrotated and summed in one GEMM
+    equal the unrotation of their sum."""
+    parts = torch.randn(2, 7, 3 * 4, 64, dtype=torch.float64)
+    summed = parts.unflatten(-2, (3, 4)).sum(-2)
+    got = launch.unrotate(parts, 9, split=4)
+    assert got.shape == (2, 7, 3, 64)
+    assert torch.allclose(got, launch.unrotate(summed, 9), atol=1e-12)
+
+
 def test_fp8_backward_preprocess_quantizes_do_and_sm80_cannot() -> None:
     """The FP8 backward's preprocess writes dO in e4m3 (cvt.rn.satfinite, 8-byte stores) with no
     spills, dense and packed; the only other quantize kernel is V's, unrotated in natural layout;
