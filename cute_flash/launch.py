@@ -428,7 +428,8 @@ def run_bwd_fp8(dout: Tensor, q8: Tensor, k8: Tensor, v: Tensor, q_descale: Tens
     at its descale, in natural layout.
     dO is quantized per (token, head) row; Q, K and dO also go token-contiguous for the GEMMs that
     contract over tokens (fp8 wgmma reads K-major operands only). Packed sequences: (T, H, d)
-    tensors, ``lse`` (H, T_q), (S, H_kv) descales and ``cu_seqlens_q`` / ``_k`` (checked)."""
+    tensors, ``lse`` (H, T_q), (S, H_kv) descales and ``cu_seqlens_q`` / ``_k`` (checked: their
+    last entries T_q / T_k, since the rows past the last sequence are not written)."""
     varlen = cu_seqlens_q is not None
     h, d, hkv = q8.shape[-2], q8.shape[-1], k8.shape[-2]
     num_batch, rows_q, mq, mk = problem_extents(q8, k8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -543,7 +544,13 @@ def _unit_amax(rows: int, heads: int, device: torch.device) -> Tensor:
     never freed, so no stream can still be reading freed memory)."""
     key = (heads, device, max(rows - 1, 0).bit_length())
     if key not in _UNIT_AMAX:
-        _UNIT_AMAX[key] = torch.full((1 << key[2], heads), E4M3_MAX, device=device, dtype=torch.float32)
+        unit = torch.full((1 << key[2], heads), E4M3_MAX, device=device, dtype=torch.float32)
+        if device.type != "cuda":
+            return unit[:rows]
+        if torch.cuda.is_current_stream_capturing():
+            return unit[:rows]  # (a graph's fill runs only on replay: not one to keep)
+        torch.cuda.current_stream(device).synchronize()  # (filled before any stream reads it)
+        _UNIT_AMAX[key] = unit
     return _UNIT_AMAX[key][:rows]
 
 

@@ -82,8 +82,8 @@ def _launched_fp8(spec: AttentionSpec, nq: int, nk: int) -> list[jit.KernelConfi
 
 
 def _launched_fp8_bwd(spec: AttentionSpec, n: int, batch: int) -> list[jit.KernelConfig]:
-    """The configs of one FP8 backward, as ``launch.run_bwd_fp8`` plans them: dO's and V's
-    quantize kernels, the token-contiguous re-layouts, (pre, main, post)."""
+    """The configs of one FP8 backward, as ``launch.run_bwd_fp8`` plans them: V's quantize
+    kernel, the token-contiguous re-layouts, (pre, main, post) (the preprocess quantizes dO)."""
     packed = spec.varlen
     p = dispatch.fp8_problem(spec.dtype, spec.hdim, spec.hdim, causal=spec.causal, local=False, varlen=packed,
                              seqlen_q=n, seqlen_k=n, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
