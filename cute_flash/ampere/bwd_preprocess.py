@@ -153,7 +153,8 @@ class FlashBwdPreSm80:
     @cute.jit
     def quantize_dO(self, rdO, mdO8, mDescale, seqlen: SeqlenInfo, tidx, m_block, head, batch):
         """The loaded dO rows (zeros past the sequence) in e4m3 at 448 / each row's amax, as
-        ``reference_fp8_bwd.quantize_rows``: a floor of 1e-30 for all-zero rows, whose codes and descale are 0."""
+        ``reference_fp8_bwd.quantize_rows``: a floor of 1e-30; all-zero rows get codes and
+        descale 0."""
         tile = (self.tile_m, self.hdim_v)
         copy8 = warp_mma.r2g_narrow_tiled_copy(cutlass.Float8E4M3FN, self.dtype, self.hdim_v,
                                                self.num_threads)
