@@ -184,10 +184,10 @@ def fp8_bwd_head_split(p: Problem, overrides: tuple = ()) -> int:
 
 
 @functools.cache  # (per call of the backward: its validation costs host time)
-def fp8_bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> tuple[jit.KernelConfig, ...]:
+def fp8_bwd_quant_config(dtype: str, hdim: int, varlen: bool = False) -> jit.KernelConfig:
     """The FP8 backward's quantize kernel: V at its descales (natural layout; ``varlen``: packed,
     one descale per sequence)."""
-    return tuple(fp8.bwd_quant_configs(dtype, hdim, varlen))
+    return fp8.bwd_quant_config(dtype, hdim, varlen)
 
 
 def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False, varlen: bool = False,

@@ -519,7 +519,7 @@ def quantize_like(x: Tensor, descale: Tensor, cu_seqlens: Tensor | None = None,
     varlen = cu_seqlens is not None
     if x.is_cuda and jit.device_arch(x.device) == "sm_90a":
         x8 = torch.empty_like(x, dtype=FP8, memory_format=torch.contiguous_format)
-        quant, = dispatch.fp8_bwd_quant_configs(formats.dtype_name(x.dtype), x.shape[-1], varlen)
+        quant = dispatch.fp8_bwd_quant_config(formats.dtype_name(x.dtype), x.shape[-1], varlen)
         amax = (descale * E4M3_MAX).contiguous()
         if x.shape[0] and (not varlen or max_seqlen):
             jit.compile_kernel(quant)(x, _signs(x.shape[-1], 0, x.device), amax, x8, cu_seqlens, max_seqlen,

@@ -295,14 +295,14 @@ def quant_configs(dtype: str, hdim: int, rotate: bool, v_perm: bool = False,
             for rot, tr in ((rotate, False), (False, True)) for ph in ("amax", "quant")]
 
 
-def bwd_quant_configs(dtype: str, hdim: int, varlen: bool = False) -> list[QuantizeConfig]:
+def bwd_quant_config(dtype: str, hdim: int, varlen: bool = False) -> QuantizeConfig:
     """The FP8 backward's quantize kernel: V again at the forward's descales in natural layout
     (the quant phase, unrotated; ``varlen``: packed V, per-sequence descales). (dO goes to e4m3 in
     the backward's preprocess.)"""
     lanes = qk_lanes_per_row(hdim)
     fields = {} if lanes == 32 else dict(lanes_per_row=lanes, rows=max(64, 16 * 32 // lanes))
-    return [QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase="quant", varlen=varlen,
-                            **fields)]
+    return QuantizeConfig(target=None, dtype=dtype, hdim=hdim, rotate=False, phase="quant", varlen=varlen,
+                          **fields)
 
 
 def plan(p: Problem, v_perm: bool = False, overrides: tuple = ()) -> FwdSm90Fp8Config:

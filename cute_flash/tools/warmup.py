@@ -132,7 +132,7 @@ def _plan_fp8(spec: AttentionSpec, arch: str, num_sms: int, pairs: list[tuple[in
         spec.dtype, spec.hdim, rotate=True, v_perm=not packed, varlen=packed, v_aligned=packed))
     backward = spec.backward and not local and spec.hdim in FP8_BWD_HDIMS
     if backward:
-        out.update(dict.fromkeys(dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed)))
+        out[dispatch.fp8_bwd_quant_config(spec.dtype, spec.hdim, packed)] = None
         # Q^T / dO^T in the kernel's order, K^T in the natural one (packed: from padded starts).
         out.update(dict.fromkeys(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed)
                                  for perm in (False, True)))

@@ -153,14 +153,14 @@ def test_fp8_backward_preprocess_quantizes_do_and_sm80_cannot() -> None:
     spills, dense and packed; the only other quantize kernel is V's, unrotated in natural layout;
     sm80 has no e4m3 conversions."""
     from cute_flash.ampere.config import BwdPreConfig
-    from cute_flash.hopper.fp8_config import QuantizeConfig, bwd_quant_configs
+    from cute_flash.hopper.fp8_config import QuantizeConfig, bwd_quant_config
 
     for varlen in (False, True):
         pre = BwdSm90Fp8Config(target="sm_90a", dtype="bf16", hdim=64, varlen=varlen).pre()
         assert pre.quantize_do and jit.spill_bytes(pre) == 0
         ptx = jit.compile_artifacts(pre)[0]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "st.global.v2.b32" in ptx
-    quant, = bwd_quant_configs("bf16", 128)
+    quant = bwd_quant_config("bf16", 128)
     assert quant.phase == "quant" and not quant.rotate and not quant.transpose
     with pytest.raises(ValueError, match="phase"):
         QuantizeConfig(target="sm_90a", hdim=128, rotate=False, phase="rows")

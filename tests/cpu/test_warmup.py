@@ -89,7 +89,7 @@ def _launched_fp8_bwd(spec: AttentionSpec, n: int, batch: int) -> list[jit.Kerne
                              seqlen_q=n, seqlen_k=n, heads_q=spec.heads_q, heads_kv=spec.heads_kv,
                              num_sms=132, q_dense=True)
     p = replace(p, deterministic=spec.deterministic, dlse=False, batch=batch)
-    configs = [*dispatch.fp8_bwd_quant_configs(spec.dtype, spec.hdim, packed), *dispatch.fp8_bwd_configs(p),
+    configs = [dispatch.fp8_bwd_quant_config(spec.dtype, spec.hdim, packed), *dispatch.fp8_bwd_configs(p),
                *(dispatch.relayout_v_config(spec.hdim, v_perm=perm, varlen=packed)
                  for perm in (False, True))]
     return [replace(c, target="sm_90a") for c in configs]
